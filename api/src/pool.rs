@@ -1,0 +1,195 @@
+//! The MachinePool resource: a selector, a template, and how changes roll out.
+
+use std::fmt;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::machine::MachineSpec;
+use crate::meta::{Condition, LabelSelector, Name, ObjectMeta};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MachinePool {
+    pub api_version: String,
+    pub kind: String,
+    #[serde(default)]
+    pub metadata: ObjectMeta,
+    pub spec: PoolSpec,
+    #[serde(default)]
+    pub status: PoolStatus,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PoolSpec {
+    pub selector: LabelSelector,
+    pub template: MachineTemplate,
+    #[serde(default)]
+    pub rollout: RolloutSpec,
+    #[serde(default)]
+    pub deletion: DeletionSpec,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MachineTemplate {
+    #[serde(default)]
+    pub spec: MachineSpec,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RolloutSpec {
+    #[serde(default = "default_max_unavailable")]
+    pub max_unavailable: IntOrPercent,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub after: Vec<Name>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub canary: Option<CanarySpec>,
+    #[serde(default = "default_max_failures")]
+    pub max_failures: u32,
+    #[serde(default)]
+    pub paused: bool,
+}
+
+impl Default for RolloutSpec {
+    fn default() -> Self {
+        RolloutSpec {
+            max_unavailable: default_max_unavailable(),
+            after: Vec::new(),
+            canary: None,
+            max_failures: default_max_failures(),
+            paused: false,
+        }
+    }
+}
+
+fn default_max_unavailable() -> IntOrPercent {
+    IntOrPercent::Int(1)
+}
+
+fn default_max_failures() -> u32 {
+    1
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CanarySpec {
+    pub machines: u32,
+    #[serde(default)]
+    pub soak_seconds: u64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DeletionSpec {
+    #[serde(default)]
+    pub order: DeletionOrder,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DeletionOrder {
+    Random,
+    Newest,
+    #[default]
+    Oldest,
+}
+
+/// A count of machines, or a percentage of the pool ("10%"), rounded down and at least 1.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IntOrPercent {
+    Int(u32),
+    Percent(u32),
+}
+
+impl IntOrPercent {
+    /// The number of machines this allows out of `total`: rounded down, never below one.
+    pub fn resolve(self, total: usize) -> usize {
+        let n = match self {
+            IntOrPercent::Int(n) => n as usize,
+            IntOrPercent::Percent(p) => total * p as usize / 100,
+        };
+        n.max(1)
+    }
+}
+
+impl fmt::Display for IntOrPercent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            IntOrPercent::Int(n) => write!(f, "{n}"),
+            IntOrPercent::Percent(p) => write!(f, "{p}%"),
+        }
+    }
+}
+
+impl Serialize for IntOrPercent {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            IntOrPercent::Int(n) => s.serialize_u32(*n),
+            IntOrPercent::Percent(_) => s.collect_str(self),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for IntOrPercent {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Int(u32),
+            Text(String),
+        }
+        let bad = |s: &str| serde::de::Error::custom(format!("{s:?} is not a count or a percentage such as \"10%\""));
+        match Raw::deserialize(d)? {
+            Raw::Int(n) if n > 0 => Ok(IntOrPercent::Int(n)),
+            Raw::Int(n) => Err(bad(&n.to_string())),
+            Raw::Text(s) => match s.strip_suffix('%').map(str::parse::<u32>) {
+                Some(Ok(p)) if (1..=100).contains(&p) => Ok(IntOrPercent::Percent(p)),
+                _ => Err(bad(&s)),
+            },
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PoolStatus {
+    #[serde(default)]
+    pub revision: u64,
+    #[serde(default)]
+    pub machines: u32,
+    #[serde(default)]
+    pub updated: u32,
+    #[serde(default)]
+    pub updating: u32,
+    #[serde(default)]
+    pub ready: u32,
+    #[serde(default)]
+    pub degraded: u32,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn max_unavailable_rounds_down_and_is_at_least_one() {
+        assert_eq!(IntOrPercent::Percent(10).resolve(40), 4);
+        assert_eq!(IntOrPercent::Percent(10).resolve(19), 1);
+        assert_eq!(IntOrPercent::Percent(10).resolve(5), 1);
+        assert_eq!(IntOrPercent::Int(3).resolve(2), 3);
+    }
+
+    #[test]
+    fn int_or_percent_parses_both_forms() {
+        let v: IntOrPercent = serde_json::from_str("\"25%\"").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(v, IntOrPercent::Percent(25));
+        let v: IntOrPercent = serde_json::from_str("2").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(v, IntOrPercent::Int(2));
+        assert!(serde_json::from_str::<IntOrPercent>("\"0%\"").is_err());
+        assert!(serde_json::from_str::<IntOrPercent>("0").is_err());
+        assert!(serde_json::from_str::<IntOrPercent>("\"ten\"").is_err());
+    }
+}

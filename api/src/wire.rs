@@ -1,0 +1,136 @@
+//! Messages of the agent protocol and the API's error and watch envelopes.
+
+use serde::{Deserialize, Serialize};
+
+use crate::machine::{CurrentStep, Facts, MachineSpec, Phase, Versions};
+use crate::meta::{Condition, Name};
+
+/// `POST /v1/enroll`: a bootstrap token, a CSR made on the machine, and its facts.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct EnrollRequest {
+    pub token: String,
+    /// PEM; its subject CN must be the machine name.
+    pub csr: String,
+    /// The machine name; the CSR's CN when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<Name>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub facts: Option<Facts>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct EnrollResponse {
+    pub name: Name,
+    /// PEM client certificate, CN = machine name.
+    pub certificate: String,
+    /// PEM CA bundle that signs the controller and every identity.
+    pub ca_bundle: String,
+}
+
+/// `GET /v1/agent/spec?after=G`: the machine's spec at its current generation.
+/// `changed` is false when the long-poll timed out with nothing newer than `after`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct AgentSpec {
+    pub name: Name,
+    pub generation: u64,
+    pub changed: bool,
+    pub spec: MachineSpec,
+}
+
+/// `PUT /v1/agent/status`: what the agent observed and did.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct AgentStatus {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<Phase>,
+    #[serde(default)]
+    pub observed_generation: u64,
+    #[serde(default)]
+    pub conditions: Vec<Condition>,
+    #[serde(default)]
+    pub versions: Versions,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub facts: Option<Facts>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub current_step: Option<CurrentStep>,
+}
+
+/// `POST /v1/tokens`: what the new token allows.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TokenRequest {
+    /// Lifetime in seconds; 24 hours when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_seconds: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage_limit: Option<u32>,
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub labels: std::collections::BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub allow_reenroll: bool,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub description: String,
+}
+
+/// The answer to `POST /v1/tokens`: the only time the secret is shown.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TokenCreated {
+    pub token: String,
+    pub resource: crate::token::BootstrapToken,
+}
+
+/// One event of a machine's history (`keelson events machine/NAME`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Event {
+    #[serde(with = "time::serde::rfc3339")]
+    pub time: crate::meta::Timestamp,
+    /// Normal or Warning.
+    #[serde(rename = "type")]
+    pub type_: String,
+    pub reason: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub message: String,
+    /// Who reported it: "controller" or "agent".
+    pub source: String,
+}
+
+/// `POST /v1/agent/events`: events the agent reports about its own machine.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct AgentEvents {
+    pub events: Vec<Event>,
+}
+
+/// One line of a watch stream (newline-delimited JSON).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct WatchEvent {
+    /// ADDED, MODIFIED, DELETED; ERROR when the stream cannot go on (see `object`).
+    #[serde(rename = "type")]
+    pub type_: String,
+    pub object: serde_json::Value,
+}
+
+/// The body of every error answer: a stable machine-readable `reason`, a message for people,
+/// and the offending field when there is one.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ErrorBody {
+    pub reason: String,
+    pub message: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
+}
+
+/// A list answer: the items and the store revision they were read at (for a later watch).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct List<T> {
+    pub items: Vec<T>,
+    pub resource_version: String,
+}
