@@ -2,10 +2,12 @@
 //! `keelson.io/v1alpha1`, their validation, typed versions, and the agent protocol's messages.
 //! No I/O happens here.
 
+pub mod config;
 pub mod decode;
 pub mod machine;
 pub mod meta;
 pub mod pool;
+pub mod tls;
 pub mod token;
 pub mod validate;
 pub mod version;

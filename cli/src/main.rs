@@ -1,1 +1,293 @@
-fn main(){}
+//! keelson: the operator CLI.
+
+mod client;
+mod output;
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, anyhow, bail};
+use clap::{Parser, Subcommand, ValueEnum};
+use keelson_api::decode::{Resource, resources_from_text};
+use keelson_api::machine::Machine;
+use keelson_api::pool::MachinePool;
+use keelson_api::token::BootstrapToken;
+use keelson_api::validate::parse_name;
+use keelson_api::wire::{Event, List, TokenCreated, TokenRequest};
+use reqwest::Method;
+
+use client::Client;
+use output::Format;
+
+#[derive(Parser)]
+#[command(name = "keelson", version, about = "Operate a keelson fleet")]
+struct Cli {
+    /// Credential file (the controller writes one as DATA_DIR/admin.conf).
+    #[arg(long, env = "KEELSON_CONFIG", global = true)]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Create or update the resources in a YAML or JSON file ("-" reads standard input).
+    Apply {
+        #[arg(short = 'f', long = "filename")]
+        file: String,
+    },
+    /// List resources, or show one.
+    Get {
+        kind: Kind,
+        name: Option<String>,
+        #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+        output: Format,
+    },
+    /// Show a machine in detail: spec, status, conditions with reasons, recent events.
+    Describe { kind: DescribeKind, name: String },
+    /// Delete a resource.
+    Delete { kind: Kind, name: String },
+    /// Bootstrap tokens.
+    Token {
+        #[command(subcommand)]
+        command: TokenCommand,
+    },
+    /// A machine's step history: `keelson events machine/NAME`.
+    Events {
+        target: String,
+        #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+        output: Format,
+    },
+}
+
+#[derive(Subcommand)]
+enum TokenCommand {
+    /// Create a token; the whole token is shown this once.
+    Create {
+        /// Lifetime: 90s, 30m, 24h, 7d.
+        #[arg(long, default_value = "24h")]
+        ttl: String,
+        /// How many machines may enroll with it.
+        #[arg(long)]
+        usages: Option<u32>,
+        /// Labels for machines that enroll with it: k=v,k2=v2.
+        #[arg(long, value_delimiter = ',')]
+        labels: Vec<String>,
+        /// Allow re-enrolling a machine name that already has an identity.
+        #[arg(long)]
+        allow_reenroll: bool,
+        #[arg(long, default_value = "")]
+        description: String,
+        #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+        output: Format,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Kind {
+    #[value(alias = "machine")]
+    Machines,
+    #[value(alias = "pool")]
+    Pools,
+    #[value(alias = "token")]
+    Tokens,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum DescribeKind {
+    Machine,
+}
+
+impl Kind {
+    fn path(self) -> &'static str {
+        match self {
+            Kind::Machines => "/v1/machines",
+            Kind::Pools => "/v1/pools",
+            Kind::Tokens => "/v1/tokens",
+        }
+    }
+}
+
+fn parse_ttl(text: &str) -> anyhow::Result<u64> {
+    let bad = || anyhow!("--ttl {text:?}: expected a duration such as 90s, 30m, 24h or 7d");
+    let (number, unit) = text.split_at(text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len()));
+    let n: u64 = number.parse().map_err(|_| bad())?;
+    let factor = match unit {
+        "" | "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        _ => return Err(bad()),
+    };
+    n.checked_mul(factor).filter(|s| *s > 0).ok_or_else(bad)
+}
+
+fn parse_labels(items: &[String]) -> anyhow::Result<BTreeMap<String, String>> {
+    items
+        .iter()
+        .filter(|s| !s.is_empty())
+        .map(|s| {
+            let (k, v) = s.split_once('=').ok_or_else(|| anyhow!("--labels {s:?}: expected key=value"))?;
+            keelson_api::validate::check_label(k, v).map_err(|e| anyhow!("--labels: {e}"))?;
+            Ok((k.to_owned(), v.to_owned()))
+        })
+        .collect()
+}
+
+fn read_input(file: &str) -> anyhow::Result<String> {
+    if file == "-" {
+        let mut text = String::new();
+        std::io::stdin().read_to_string(&mut text).context("reading standard input")?;
+        Ok(text)
+    } else {
+        std::fs::read_to_string(file).with_context(|| format!("reading {file}"))
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    // Everything that can be checked before talking to the controller is.
+    let connect = || -> anyhow::Result<Client> { Client::from_file(&client::config_path(cli.config.clone())?) };
+    match cli.command {
+        Command::Apply { ref file } => {
+            let text = read_input(file)?;
+            let resources = resources_from_text(&text).map_err(|e| anyhow!("{file}: {e}"))?;
+            if let Some(t) = resources.iter().find(|r| matches!(r, Resource::BootstrapToken(_))) {
+                bail!("{file}: BootstrapToken {:?}: tokens are made with `keelson token create`, which shows the secret once", t.name());
+            }
+            let client = connect()?;
+            for resource in resources {
+                match resource {
+                    Resource::Machine(m) => {
+                        let name = m.metadata.name_str().to_owned();
+                        let stored: Machine = client.call(Method::PUT, &format!("/v1/machines/{name}"), Some(&m)).await.map_err(|e| anyhow!("machine/{name}: {e}"))?;
+                        println!("machine/{name} applied (generation {})", stored.metadata.generation);
+                    }
+                    Resource::MachinePool(p) => {
+                        let name = p.metadata.name_str().to_owned();
+                        let stored: MachinePool = client.call(Method::PUT, &format!("/v1/pools/{name}"), Some(&p)).await.map_err(|e| anyhow!("pool/{name}: {e}"))?;
+                        println!("pool/{name} applied (revision {})", stored.status.revision);
+                    }
+                    Resource::BootstrapToken(_) => unreachable!("refused above"),
+                }
+            }
+        }
+        Command::Get { kind, ref name, output } => {
+            if let Some(n) = name {
+                parse_name("NAME", n)?;
+            }
+            let client = connect()?;
+            let path = match name {
+                Some(n) => format!("{}/{n}", kind.path()),
+                None => kind.path().to_owned(),
+            };
+            let text = match kind {
+                Kind::Machines => render::<Machine>(&client, &path, name.is_some(), output, |items, wide| output::machines_table(items, wide)).await?,
+                Kind::Pools => render::<MachinePool>(&client, &path, name.is_some(), output, |items, wide| output::pools_table(items, wide)).await?,
+                Kind::Tokens => render::<BootstrapToken>(&client, &path, name.is_some(), output, |items, _| output::tokens_table(items)).await?,
+            };
+            print!("{text}");
+        }
+        Command::Describe { kind: DescribeKind::Machine, ref name } => {
+            parse_name("NAME", name)?;
+            let client = connect()?;
+            let m: Machine = client.call(Method::GET, &format!("/v1/machines/{name}"), None::<&()>).await?;
+            let events: Vec<Event> = client.call(Method::GET, &format!("/v1/machines/{name}/events"), None::<&()>).await?;
+            print!("{}", output::describe_machine(&m, &events)?);
+        }
+        Command::Delete { kind, ref name } => {
+            parse_name("NAME", name)?;
+            let client = connect()?;
+            client.call_empty(Method::DELETE, &format!("{}/{name}", kind.path())).await?;
+            let what = match kind {
+                Kind::Machines => "machine",
+                Kind::Pools => "pool",
+                Kind::Tokens => "token",
+            };
+            println!("{what}/{name} deleted");
+        }
+        Command::Token { command: TokenCommand::Create { ref ttl, usages, ref labels, allow_reenroll, ref description, output } } => {
+            let request = TokenRequest {
+                ttl_seconds: Some(parse_ttl(ttl)?),
+                usage_limit: match usages {
+                    Some(0) => bail!("--usages must be at least 1"),
+                    u => u,
+                },
+                labels: parse_labels(labels)?,
+                allow_reenroll,
+                description: description.clone(),
+            };
+            let client = connect()?;
+            let created: TokenCreated = client.call(Method::POST, "/v1/tokens", Some(&request)).await?;
+            match output {
+                Format::Json | Format::Yaml => print!("{}", output::structured(&created, output)?),
+                _ => println!("{}", created.token),
+            }
+        }
+        Command::Events { ref target, output } => {
+            let name = target.strip_prefix("machine/").ok_or_else(|| anyhow!("{target:?}: expected machine/NAME"))?;
+            parse_name("NAME", name)?;
+            let client = connect()?;
+            let events: Vec<Event> = client.call(Method::GET, &format!("/v1/machines/{name}/events"), None::<&()>).await?;
+            match output {
+                Format::Json | Format::Yaml => print!("{}", output::structured(&events, output)?),
+                _ => print!("{}", output::events_table(&events)),
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn render<T>(client: &Client, path: &str, one: bool, format: Format, table: impl Fn(&[T], bool) -> String) -> anyhow::Result<String>
+where
+    T: serde::de::DeserializeOwned + serde::Serialize,
+{
+    if one {
+        let item: T = client.call(Method::GET, path, None::<&()>).await?;
+        return match format {
+            Format::Json | Format::Yaml => output::structured(&item, format),
+            Format::Table | Format::Wide => Ok(table(std::slice::from_ref(&item), format == Format::Wide)),
+        };
+    }
+    let list: List<T> = client.call(Method::GET, path, None::<&()>).await?;
+    match format {
+        Format::Json | Format::Yaml => output::structured(&list, format),
+        Format::Table | Format::Wide => Ok(table(&list.items, format == Format::Wide)),
+    }
+}
+
+fn main() -> ExitCode {
+    // reqwest with rustls needs the process-wide crypto provider chosen before any client.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ttl_parsing() {
+        assert_eq!(parse_ttl("24h").ok(), Some(86_400));
+        assert_eq!(parse_ttl("90").ok(), Some(90));
+        assert_eq!(parse_ttl("7d").ok(), Some(604_800));
+        assert!(parse_ttl("0s").is_err());
+        assert!(parse_ttl("1w").is_err());
+        assert!(parse_ttl("h").is_err());
+    }
+}

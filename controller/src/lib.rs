@@ -1,1 +1,12 @@
-//! placeholder
+//! keelson-controller: the fleet's source of truth. It keeps Machines, MachinePools and
+//! BootstrapTokens in its store, enrolls machines with mTLS identities, serves each agent its
+//! spec and records its status, and watches for machines that fall silent.
+
+pub mod error;
+pub mod http;
+pub mod metrics;
+pub mod pki;
+pub mod registry;
+pub mod serve;
+pub mod store;
+pub mod waiters;

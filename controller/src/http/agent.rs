@@ -1,0 +1,96 @@
+//! Machine endpoints: enrollment, the spec long-poll, status, events and certificate rotation.
+//! A machine identity reaches only its own machine.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::{Query, State};
+use axum::http::StatusCode;
+use keelson_api::wire::{AgentEvents, AgentSpec, AgentStatus, EnrollRequest, EnrollResponse};
+use serde::Deserialize;
+
+use super::{App, JsonBody, PeerExt, require_machine};
+use crate::error::ApiError;
+
+type ApiResult<T> = Result<T, ApiError>;
+
+/// Events an agent may send in one request.
+const MAX_EVENTS_PER_REQUEST: usize = 100;
+const MAX_EVENT_MESSAGE_BYTES: usize = 8 * 1024;
+
+pub async fn enroll(State(app): State<Arc<App>>, JsonBody(req): JsonBody<EnrollRequest>) -> ApiResult<Json<EnrollResponse>> {
+    Ok(Json(app.registry.enroll(req).await?))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SpecQuery {
+    #[serde(default)]
+    after: u64,
+    timeout_seconds: Option<u64>,
+}
+
+/// Answers at once when the machine's generation is newer than `after`; otherwise waits until
+/// it changes or the timeout passes (then `changed: false`).
+pub async fn spec(State(app): State<Arc<App>>, peer: PeerExt, Query(q): Query<SpecQuery>) -> ApiResult<Json<AgentSpec>> {
+    let (name, _) = require_machine(&app, &peer).await?;
+    let wait = q.timeout_seconds.map_or(app.config.long_poll_default, Duration::from_secs).min(app.config.long_poll_max);
+    let deadline = tokio::time::Instant::now() + wait;
+    let mut generations = app.waiters.subscribe(name.as_str());
+    loop {
+        let machine = app.registry.machine(name.as_str()).await?.object;
+        if machine.metadata.generation > q.after {
+            return Ok(Json(AgentSpec { name, generation: machine.metadata.generation, changed: true, spec: machine.spec }));
+        }
+        let timed_out = tokio::select! {
+            changed = generations.changed() => changed.is_err(),
+            _ = tokio::time::sleep_until(deadline) => true,
+            _ = app.shutdown.cancelled() => true,
+        };
+        if timed_out {
+            return Ok(Json(AgentSpec { name, generation: machine.metadata.generation, changed: false, spec: machine.spec }));
+        }
+    }
+}
+
+pub async fn status(State(app): State<Arc<App>>, peer: PeerExt, JsonBody(report): JsonBody<AgentStatus>) -> ApiResult<StatusCode> {
+    let (name, _) = require_machine(&app, &peer).await?;
+    app.registry.record_status(&name, report).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+pub async fn events(State(app): State<Arc<App>>, peer: PeerExt, JsonBody(mut body): JsonBody<AgentEvents>) -> ApiResult<StatusCode> {
+    let (name, _) = require_machine(&app, &peer).await?;
+    if body.events.len() > MAX_EVENTS_PER_REQUEST {
+        return Err(ApiError::invalid("events", format!("at most {MAX_EVENTS_PER_REQUEST} events per request")));
+    }
+    for (i, e) in body.events.iter_mut().enumerate() {
+        if !matches!(e.type_.as_str(), "Normal" | "Warning") {
+            return Err(ApiError::invalid(format!("events[{i}].type"), format!("{:?} is not Normal or Warning", e.type_)));
+        }
+        if e.message.len() > MAX_EVENT_MESSAGE_BYTES {
+            let mut cut = MAX_EVENT_MESSAGE_BYTES;
+            while !e.message.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            e.message.truncate(cut);
+            e.message.push_str("… (truncated)");
+        }
+        // The machine speaks for itself only as the agent.
+        e.source = "agent".into();
+    }
+    app.registry.append_events(name.as_str(), body.events).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RotateRequest {
+    csr: String,
+}
+
+pub async fn rotate_certificate(State(app): State<Arc<App>>, peer: PeerExt, JsonBody(req): JsonBody<RotateRequest>) -> ApiResult<Json<EnrollResponse>> {
+    let (name, serial) = require_machine(&app, &peer).await?;
+    Ok(Json(app.registry.rotate_certificate(&name, &serial, &req.csr).await?))
+}

@@ -1,0 +1,120 @@
+//! keelson-controller: argument parsing, logging and signals; the work is in the library.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use keelson_controller::http::ApiConfig;
+use keelson_controller::serve::{ServeOptions, run};
+use tokio_util::sync::CancellationToken;
+
+#[derive(Parser)]
+#[command(name = "keelson-controller", version, about = "keelson controller: the fleet's source of truth")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve the API (creating the CA and admin credential on first start).
+    Serve {
+        /// Directory for the store, the CA and admin.conf.
+        #[arg(long, default_value = "/var/lib/keelson-controller")]
+        data_dir: PathBuf,
+        /// Address to listen on.
+        #[arg(long, default_value = "0.0.0.0:9443")]
+        listen: SocketAddr,
+        /// Extra DNS name or IP address for the server certificate (repeatable).
+        #[arg(long = "san")]
+        sans: Vec<String>,
+        /// Store: sqlite (embedded, in the data directory).
+        #[arg(long, default_value = "sqlite")]
+        store: String,
+        /// Seconds without a heartbeat before a machine is Reachable=False (3 heartbeat intervals).
+        #[arg(long, default_value_t = 30)]
+        unreachable_after_seconds: u64,
+        /// Seconds between re-checks of pool membership.
+        #[arg(long, default_value_t = 30)]
+        reconcile_interval_seconds: u64,
+        /// Seconds a spec long-poll waits by default.
+        #[arg(long, default_value_t = 60)]
+        long_poll_seconds: u64,
+        /// Log filter (tracing env-filter syntax); RUST_LOG overrides.
+        #[arg(long, default_value = "info")]
+        log_level: String,
+    },
+}
+
+/// Logs go to journald when systemd runs us (JOURNAL_STREAM is set), to stderr otherwise.
+fn init_logging(level: &str) {
+    use std::io::IsTerminal;
+    use tracing_subscriber::EnvFilter;
+    use tracing_subscriber::prelude::*;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level));
+    let journald = std::env::var_os("JOURNAL_STREAM").and_then(|_| tracing_journald::layer().ok());
+    let registry = tracing_subscriber::registry().with(filter);
+    match journald {
+        Some(layer) => registry.with(layer).init(),
+        None => registry.with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(std::io::stderr().is_terminal())).init(),
+    }
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Serve { data_dir, listen, sans, store, unreachable_after_seconds, reconcile_interval_seconds, long_poll_seconds, log_level } => {
+            init_logging(&log_level);
+            if unreachable_after_seconds == 0 || reconcile_interval_seconds == 0 || long_poll_seconds == 0 {
+                eprintln!("keelson-controller: --unreachable-after-seconds, --reconcile-interval-seconds and --long-poll-seconds must be at least 1");
+                return std::process::ExitCode::from(2);
+            }
+            let opts = ServeOptions {
+                data_dir,
+                listen,
+                sans,
+                store,
+                unreachable_after: Duration::from_secs(unreachable_after_seconds),
+                reconcile_interval: Duration::from_secs(reconcile_interval_seconds),
+                api: ApiConfig { long_poll_default: Duration::from_secs(long_poll_seconds), ..ApiConfig::default() },
+            };
+            let runtime = match tokio::runtime::Runtime::new() {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("keelson-controller: cannot start the runtime: {e}");
+                    return std::process::ExitCode::FAILURE;
+                }
+            };
+            let result = runtime.block_on(async {
+                let cancel = CancellationToken::new();
+                let on_signal = cancel.clone();
+                tokio::spawn(async move {
+                    shutdown_signal().await;
+                    tracing::info!("shutting down");
+                    on_signal.cancel();
+                });
+                run(opts, cancel).await
+            });
+            match result {
+                Ok(()) => std::process::ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("keelson-controller: {e:#}");
+                    std::process::ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}

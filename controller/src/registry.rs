@@ -1,0 +1,642 @@
+//! Resource semantics over the store: how machines, pools, tokens, identities and events are
+//! kept, and the rules that apply when they change (generations, pool membership, enrollment).
+//!
+//! Key layout (JSON values):
+//! - `/machines/<name>`   Machine (without `resourceVersion`, which is the key's mod revision)
+//! - `/pools/<name>`      MachinePool
+//! - `/tokens/<id>`       StoredToken: the BootstrapToken and the SHA-256 of its secret
+//! - `/identities/<name>` Identity: the certificate serials that may act as the machine
+//! - `/events/<name>`     the machine's recent events, newest last
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use keelson_api::machine::{Machine, MachineSpec, Phase};
+use keelson_api::meta::{self, ConditionStatus, Name, Timestamp, condition, set_condition};
+use keelson_api::pool::MachinePool;
+use keelson_api::token::{BootstrapToken, TokenSpec, TokenStatus, TokenString};
+use keelson_api::validate::validate_spec_change;
+use keelson_api::wire::{AgentStatus, EnrollRequest, EnrollResponse, Event, TokenCreated, TokenRequest};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
+
+use crate::error::ApiError;
+use crate::pki::{self, Authority};
+use crate::store::{Op, Precondition, Store, StoreError};
+
+pub const MACHINES: &str = "/machines/";
+pub const POOLS: &str = "/pools/";
+pub const TOKENS: &str = "/tokens/";
+pub const IDENTITIES: &str = "/identities/";
+pub const EVENTS: &str = "/events/";
+
+/// Events kept per machine.
+const EVENTS_KEPT: usize = 200;
+/// Attempts at a read-modify-write before giving up on a busy key.
+const CAS_ATTEMPTS: usize = 16;
+const DEFAULT_TOKEN_TTL_SECS: u64 = 24 * 3600;
+const MAX_TOKEN_TTL_SECS: u64 = 365 * 24 * 3600;
+
+/// An object with the store revision it was read at.
+#[derive(Debug, Clone)]
+pub struct Versioned<T> {
+    pub object: T,
+    pub revision: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StoredToken {
+    pub token: BootstrapToken,
+    pub secret_sha256: String,
+}
+
+/// The certificates that may act as a machine: the newest first, and the one it replaced
+/// while the agent switches over. Deleting this revokes the machine's identity.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Identity {
+    pub serials: Vec<String>,
+    #[serde(with = "time::serde::rfc3339")]
+    pub enrolled_at: Timestamp,
+}
+
+#[derive(Debug)]
+pub struct Registry {
+    pub store: Arc<dyn Store>,
+    pub authority: Arc<Authority>,
+}
+
+fn encode<T: Serialize>(value: &T) -> Vec<u8> {
+    // Serialising our own types to JSON cannot fail: no maps with non-string keys.
+    serde_json::to_vec(value).unwrap_or_else(|e| panic!("serialising a stored object: {e}"))
+}
+
+fn decode<T: DeserializeOwned>(key: &str, bytes: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(bytes).map_err(|e| ApiError::Internal(format!("stored object {key} is unreadable: {e}")))
+}
+
+fn not_found(kind: &str, name: &str) -> ApiError {
+    ApiError::NotFound(format!("{kind} {name:?} not found"))
+}
+
+/// Stamps the store revision into an object's metadata as its resourceVersion.
+pub trait HasMeta {
+    fn meta_mut(&mut self) -> &mut meta::ObjectMeta;
+}
+impl HasMeta for Machine {
+    fn meta_mut(&mut self) -> &mut meta::ObjectMeta {
+        &mut self.metadata
+    }
+}
+impl HasMeta for MachinePool {
+    fn meta_mut(&mut self) -> &mut meta::ObjectMeta {
+        &mut self.metadata
+    }
+}
+impl HasMeta for BootstrapToken {
+    fn meta_mut(&mut self) -> &mut meta::ObjectMeta {
+        &mut self.metadata
+    }
+}
+
+impl<T: HasMeta> Versioned<T> {
+    pub fn stamped(mut self) -> T {
+        self.object.meta_mut().resource_version = Some(self.revision.to_string());
+        self.object
+    }
+}
+
+fn new_uid() -> String {
+    let b: [u8; 16] = rand::random();
+    let h = hex::encode(b);
+    format!("{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
+}
+
+/// Parses a client-supplied resourceVersion.
+pub fn parse_resource_version(rv: Option<&str>) -> Result<Option<u64>, ApiError> {
+    rv.map(|s| s.parse::<u64>().map_err(|_| ApiError::invalid("metadata.resourceVersion", format!("{s:?} is not a resourceVersion"))))
+        .transpose()
+}
+
+/// The pool a machine with these labels belongs to: of the pools whose selector matches,
+/// the oldest (then the first by name), so that adding a pool never steals machines.
+pub fn owning_pool<'a>(pools: &'a [Versioned<MachinePool>], labels: &BTreeMap<String, String>) -> Option<&'a MachinePool> {
+    pools
+        .iter()
+        .map(|p| &p.object)
+        .filter(|p| p.spec.selector.matches(labels))
+        .min_by(|a, b| (a.metadata.creation_timestamp, a.metadata.name_str()).cmp(&(b.metadata.creation_timestamp, b.metadata.name_str())))
+}
+
+impl Registry {
+    pub fn new(store: Arc<dyn Store>, authority: Arc<Authority>) -> Self {
+        Registry { store, authority }
+    }
+
+    pub async fn get<T: DeserializeOwned>(&self, key: &str) -> Result<Option<Versioned<T>>, ApiError> {
+        match self.store.get(key).await? {
+            Some(e) => Ok(Some(Versioned { object: decode(key, &e.value)?, revision: e.mod_revision })),
+            None => Ok(None),
+        }
+    }
+
+    pub async fn list<T: DeserializeOwned>(&self, prefix: &str) -> Result<(Vec<Versioned<T>>, u64), ApiError> {
+        let listing = self.store.list(prefix).await?;
+        let items = listing
+            .entries
+            .iter()
+            .map(|e| Ok(Versioned { object: decode(&e.key, &e.value)?, revision: e.mod_revision }))
+            .collect::<Result<Vec<_>, ApiError>>()?;
+        Ok((items, listing.revision))
+    }
+
+    pub async fn machine(&self, name: &str) -> Result<Versioned<Machine>, ApiError> {
+        self.get(&format!("{MACHINES}{name}")).await?.ok_or_else(|| not_found("machine", name))
+    }
+
+    /// Read-modify-write of one machine, retried when it changed underneath. `change` returns
+    /// false to leave the machine as it is.
+    pub async fn update_machine<F>(&self, name: &str, mut change: F) -> Result<Versioned<Machine>, ApiError>
+    where
+        F: FnMut(&mut Machine) -> Result<bool, ApiError> + Send,
+    {
+        let key = format!("{MACHINES}{name}");
+        for _ in 0..CAS_ATTEMPTS {
+            let mut current = self.machine(name).await?;
+            if !change(&mut current.object)? {
+                return Ok(current);
+            }
+            match self.store.txn(vec![Op::Put { key: key.clone(), value: encode(&current.object), precondition: Precondition::Revision(current.revision) }]).await {
+                Ok(revision) => return Ok(Versioned { object: current.object, revision }),
+                Err(StoreError::Conflict { .. }) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(ApiError::Conflict(format!("machine {name} is changing too often to update; try again")))
+    }
+
+    /// Creates or updates a machine from an operator's object. `metadata.resourceVersion`, when
+    /// given, makes the write conditional. The spec of a machine in a pool is the pool's template.
+    pub async fn apply_machine(&self, input: Machine) -> Result<Versioned<Machine>, ApiError> {
+        let name = input.metadata.name.clone().ok_or_else(|| ApiError::invalid("metadata.name", "is required"))?;
+        let expected = parse_resource_version(input.metadata.resource_version.as_deref())?;
+        let key = format!("{MACHINES}{name}");
+        for _ in 0..CAS_ATTEMPTS {
+            let current: Option<Versioned<Machine>> = self.get(&key).await?;
+            if let Some(rv) = expected {
+                let found = current.as_ref().map(|c| c.revision);
+                if found != Some(rv) {
+                    return Err(ApiError::Conflict(match found {
+                        Some(f) => format!("machine {name} has resourceVersion {f}, not {rv}: it changed since you read it"),
+                        None => format!("machine {name} does not exist, so resourceVersion {rv} cannot match"),
+                    }));
+                }
+            }
+            let (pools, _) = self.list::<MachinePool>(POOLS).await?;
+            let pool = owning_pool(&pools, &input.metadata.labels);
+            let spec = match pool {
+                Some(pool) => {
+                    let template = &pool.spec.template.spec;
+                    if input.spec != MachineSpec::default() && &input.spec != template {
+                        return Err(ApiError::invalid(
+                            "spec",
+                            format!(
+                                "machine {name} belongs to pool {} by its labels, so its spec is the pool's template; change the pool, or leave spec empty",
+                                pool.metadata.name_str()
+                            ),
+                        ));
+                    }
+                    template.clone()
+                }
+                None => input.spec.clone(),
+            };
+            let pool_name = pool.and_then(|p| p.metadata.name.clone());
+            let (machine, precondition) = match &current {
+                Some(cur) => {
+                    let mut m = cur.object.clone();
+                    validate_spec_change("spec", &m.spec, &spec)?;
+                    if m.spec != spec {
+                        m.metadata.generation += 1;
+                        m.spec = spec;
+                    }
+                    m.metadata.labels = input.metadata.labels.clone();
+                    m.metadata.annotations = input.metadata.annotations.clone();
+                    m.status.pool = pool_name;
+                    (m, Precondition::Revision(cur.revision))
+                }
+                None => {
+                    let mut m = Machine::new(name.clone());
+                    m.metadata.labels = input.metadata.labels.clone();
+                    m.metadata.annotations = input.metadata.annotations.clone();
+                    m.metadata.generation = 1;
+                    m.metadata.uid = Some(new_uid());
+                    m.metadata.creation_timestamp = Some(meta::now());
+                    m.spec = spec;
+                    m.status.phase = Some(Phase::Pending);
+                    m.status.pool = pool_name;
+                    (m, Precondition::Absent)
+                }
+            };
+            match self.store.txn(vec![Op::Put { key: key.clone(), value: encode(&machine), precondition }]).await {
+                Ok(revision) => {
+                    if current.as_ref().is_none_or(|c| c.object.metadata.generation != machine.metadata.generation) {
+                        self.record_event(name.as_str(), "Normal", "SpecChanged", &format!("generation {}", machine.metadata.generation), "controller")
+                            .await?;
+                    }
+                    return Ok(Versioned { object: machine, revision });
+                }
+                Err(StoreError::Conflict { .. }) if expected.is_none() => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(ApiError::Conflict(format!("machine {name} is changing too often to update; try again")))
+    }
+
+    /// Deletes a machine and revokes its identity.
+    pub async fn delete_machine(&self, name: &Name) -> Result<(), ApiError> {
+        let key = format!("{MACHINES}{name}");
+        match self
+            .store
+            .txn(vec![
+                Op::Delete { key, precondition: Precondition::Exists },
+                Op::Delete { key: format!("{IDENTITIES}{name}"), precondition: Precondition::None },
+                Op::Delete { key: format!("{EVENTS}{name}"), precondition: Precondition::None },
+            ])
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(StoreError::Conflict { .. }) => Err(not_found("machine", name.as_str())),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Creates or updates a pool, then brings its machines to its template.
+    pub async fn apply_pool(&self, input: MachinePool) -> Result<Versioned<MachinePool>, ApiError> {
+        let name = input.metadata.name.clone().ok_or_else(|| ApiError::invalid("metadata.name", "is required"))?;
+        let expected = parse_resource_version(input.metadata.resource_version.as_deref())?;
+        let key = format!("{POOLS}{name}");
+        let current: Option<Versioned<MachinePool>> = self.get(&key).await?;
+        if let Some(rv) = expected {
+            if current.as_ref().map(|c| c.revision) != Some(rv) {
+                return Err(ApiError::Conflict(format!("pool {name} changed since resourceVersion {rv}: read it again")));
+            }
+        }
+        let (pool, precondition) = match &current {
+            Some(cur) => {
+                let mut p = cur.object.clone();
+                validate_spec_change("spec.template.spec", &p.spec.template.spec, &input.spec.template.spec)?;
+                if p.spec != input.spec {
+                    p.metadata.generation += 1;
+                    if p.spec.template != input.spec.template {
+                        p.status.revision += 1;
+                    }
+                    p.spec = input.spec;
+                }
+                p.metadata.labels = input.metadata.labels;
+                p.metadata.annotations = input.metadata.annotations;
+                (p, Precondition::Revision(cur.revision))
+            }
+            None => {
+                let mut p = input;
+                p.metadata.generation = 1;
+                p.metadata.resource_version = None;
+                p.metadata.uid = Some(new_uid());
+                p.metadata.creation_timestamp = Some(meta::now());
+                p.status = keelson_api::pool::PoolStatus { revision: 1, ..Default::default() };
+                (p, Precondition::Absent)
+            }
+        };
+        let revision = self.store.txn(vec![Op::Put { key, value: encode(&pool), precondition }]).await?;
+        self.reconcile_pools().await?;
+        Ok(Versioned { object: pool, revision })
+    }
+
+    pub async fn delete_pool(&self, name: &Name) -> Result<(), ApiError> {
+        match self.store.txn(vec![Op::Delete { key: format!("{POOLS}{name}"), precondition: Precondition::Exists }]).await {
+            Ok(_) => self.reconcile_pools().await,
+            Err(StoreError::Conflict { .. }) => Err(not_found("pool", name.as_str())),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Gives every machine the template of the pool it belongs to, and clears the pool of
+    /// machines that left one (they keep the spec they had). Level-triggered: safe to run at
+    /// any time, and run periodically so that an interrupted propagation completes.
+    pub async fn reconcile_pools(&self) -> Result<(), ApiError> {
+        let (pools, _) = self.list::<MachinePool>(POOLS).await?;
+        let (machines, _) = self.list::<Machine>(MACHINES).await?;
+        for m in machines {
+            let pool = owning_pool(&pools, &m.object.metadata.labels);
+            let want_pool = pool.and_then(|p| p.metadata.name.clone());
+            let want_spec = pool.map(|p| &p.spec.template.spec);
+            let spec_differs = want_spec.is_some_and(|s| *s != m.object.spec);
+            if !spec_differs && m.object.status.pool == want_pool {
+                continue;
+            }
+            let name = m.object.metadata.name_str().to_owned();
+            let result = self
+                .update_machine(&name, |machine| {
+                    let pool = owning_pool(&pools, &machine.metadata.labels);
+                    let mut changed = false;
+                    if let Some(p) = pool {
+                        if machine.spec != p.spec.template.spec {
+                            machine.spec = p.spec.template.spec.clone();
+                            machine.metadata.generation += 1;
+                            changed = true;
+                        }
+                    }
+                    let want = pool.and_then(|p| p.metadata.name.clone());
+                    if machine.status.pool != want {
+                        machine.status.pool = want;
+                        changed = true;
+                    }
+                    Ok(changed)
+                })
+                .await;
+            match result {
+                Ok(updated) if spec_differs => {
+                    let message = format!("generation {} from pool {}", updated.object.metadata.generation, want_pool.as_ref().map(Name::as_str).unwrap_or(""));
+                    self.record_event(&name, "Normal", "SpecChanged", &message, "controller").await?;
+                }
+                Ok(_) | Err(ApiError::NotFound(_)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Stores what a machine's agent reported. The generation never changes here.
+    pub async fn record_status(&self, name: &Name, report: AgentStatus) -> Result<Versioned<Machine>, ApiError> {
+        let now = meta::now();
+        self.update_machine(name.as_str(), |m| {
+            if report.observed_generation > m.metadata.generation {
+                return Err(ApiError::invalid(
+                    "observedGeneration",
+                    format!("{} is newer than the machine's generation {}", report.observed_generation, m.metadata.generation),
+                ));
+            }
+            let reachable = meta::find_condition(&m.status.conditions, condition::REACHABLE).cloned();
+            m.status.phase = report.phase;
+            m.status.observed_generation = report.observed_generation;
+            m.status.conditions = report.conditions.iter().filter(|c| c.type_ != condition::REACHABLE).cloned().collect();
+            if let Some(r) = reachable {
+                m.status.conditions.push(r);
+            }
+            set_condition(&mut m.status.conditions, condition::REACHABLE, ConditionStatus::True, "Heartbeat", "", now);
+            m.status.versions = report.versions.clone();
+            if report.facts.is_some() {
+                m.status.facts = report.facts.clone();
+            }
+            m.status.current_step = report.current_step.clone();
+            m.status.last_heartbeat_time = Some(now);
+            Ok(true)
+        })
+        .await
+    }
+
+    /// Marks machines that stopped reporting as unreachable. Returns how many changed.
+    pub async fn mark_unreachable(&self, timeout: std::time::Duration) -> Result<usize, ApiError> {
+        let now = meta::now();
+        let silent_since = now - timeout;
+        let (machines, _) = self.list::<Machine>(MACHINES).await?;
+        let mut changed = 0;
+        for m in machines {
+            let Some(last) = m.object.status.last_heartbeat_time else { continue };
+            let reachable = meta::find_condition(&m.object.status.conditions, condition::REACHABLE).map(|c| c.status);
+            if last >= silent_since || reachable == Some(ConditionStatus::False) {
+                continue;
+            }
+            let name = m.object.metadata.name_str().to_owned();
+            let message = format!("no heartbeat since {}", last.format(&time::format_description::well_known::Rfc3339).unwrap_or_default());
+            let result = self
+                .update_machine(&name, |machine| {
+                    // Re-check: a heartbeat may have arrived since the listing.
+                    if machine.status.last_heartbeat_time.is_some_and(|t| t >= silent_since) {
+                        return Ok(false);
+                    }
+                    machine.status.phase = Some(Phase::Unreachable);
+                    Ok(set_condition(&mut machine.status.conditions, condition::REACHABLE, ConditionStatus::False, "HeartbeatTimeout", &message, now))
+                })
+                .await;
+            match result {
+                Ok(_) => {
+                    changed += 1;
+                    self.record_event(&name, "Warning", "Unreachable", &message, "controller").await?;
+                }
+                Err(ApiError::NotFound(_)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(changed)
+    }
+
+    pub async fn record_event(&self, name: &str, type_: &str, reason: &str, message: &str, source: &str) -> Result<(), ApiError> {
+        let event = Event { time: meta::now(), type_: type_.to_owned(), reason: reason.to_owned(), message: message.to_owned(), source: source.to_owned() };
+        self.append_events(name, vec![event]).await
+    }
+
+    pub async fn append_events(&self, name: &str, events: Vec<Event>) -> Result<(), ApiError> {
+        let key = format!("{EVENTS}{name}");
+        for _ in 0..CAS_ATTEMPTS {
+            let current: Option<Versioned<Vec<Event>>> = self.get(&key).await?;
+            let (mut list, precondition) = match current {
+                Some(v) => (v.object, Precondition::Revision(v.revision)),
+                None => (Vec::new(), Precondition::Absent),
+            };
+            list.extend(events.iter().cloned());
+            if list.len() > EVENTS_KEPT {
+                list.drain(..list.len() - EVENTS_KEPT);
+            }
+            match self.store.txn(vec![Op::Put { key: key.clone(), value: encode(&list), precondition }]).await {
+                Ok(_) => return Ok(()),
+                Err(StoreError::Conflict { .. }) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(ApiError::Conflict(format!("events of {name} are changing too often; try again")))
+    }
+
+    pub async fn events(&self, name: &str) -> Result<Vec<Event>, ApiError> {
+        Ok(self.get::<Vec<Event>>(&format!("{EVENTS}{name}")).await?.map(|v| v.object).unwrap_or_default())
+    }
+
+    pub async fn create_token(&self, req: TokenRequest) -> Result<TokenCreated, ApiError> {
+        let ttl = req.ttl_seconds.unwrap_or(DEFAULT_TOKEN_TTL_SECS);
+        if ttl == 0 || ttl > MAX_TOKEN_TTL_SECS {
+            return Err(ApiError::invalid("ttlSeconds", format!("must be between 1 and {MAX_TOKEN_TTL_SECS}")));
+        }
+        if req.usage_limit == Some(0) {
+            return Err(ApiError::invalid("usageLimit", "must be at least 1"));
+        }
+        for (k, v) in &req.labels {
+            keelson_api::validate::check_label(k, v).map_err(|m| ApiError::invalid(format!("labels.{k}"), m))?;
+        }
+        for _ in 0..CAS_ATTEMPTS {
+            let id = random_token_part(keelson_api::token::TOKEN_ID_LEN);
+            let secret = random_token_part(keelson_api::token::TOKEN_SECRET_LEN);
+            let token = TokenString { id: id.clone(), secret: secret.clone() };
+            let name: Name = id.parse().map_err(|e: meta::NameError| ApiError::Internal(e.to_string()))?;
+            let mut resource = BootstrapToken {
+                api_version: keelson_api::API_VERSION.to_owned(),
+                kind: keelson_api::KIND_TOKEN.to_owned(),
+                metadata: meta::ObjectMeta::named(name),
+                spec: TokenSpec {
+                    expires_at: Some(meta::now() + time::Duration::seconds(ttl as i64)),
+                    usage_limit: req.usage_limit,
+                    labels: req.labels.clone(),
+                    allow_reenroll: req.allow_reenroll,
+                    description: req.description.clone(),
+                },
+                status: TokenStatus::default(),
+            };
+            resource.metadata.creation_timestamp = Some(meta::now());
+            resource.metadata.uid = Some(new_uid());
+            let stored = StoredToken { token: resource.clone(), secret_sha256: sha256_hex(&secret) };
+            match self.store.txn(vec![Op::Put { key: format!("{TOKENS}{id}"), value: encode(&stored), precondition: Precondition::Absent }]).await {
+                Ok(revision) => {
+                    resource.metadata.resource_version = Some(revision.to_string());
+                    return Ok(TokenCreated { token: token.to_string(), resource });
+                }
+                Err(StoreError::Conflict { .. }) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(ApiError::Internal("could not find a free token id".into()))
+    }
+
+    /// Enrolls a machine: checks the token, signs the CSR, and records the machine, its
+    /// identity and the token's use in one transaction.
+    pub async fn enroll(&self, req: EnrollRequest) -> Result<EnrollResponse, ApiError> {
+        let token: TokenString = req.token.parse().map_err(|_| ApiError::Unauthorized("bootstrap token is malformed".into()))?;
+        let csr = pki::parse_csr(&req.csr).map_err(|e| ApiError::invalid("csr", e.to_string()))?;
+        let cn = pki::csr_common_name(&csr).ok_or_else(|| ApiError::invalid("csr", "the CSR has no subject common name"))?;
+        let name: Name = match &req.name {
+            Some(n) if n.as_str() != cn => {
+                return Err(ApiError::invalid("csr", format!("the CSR's common name {cn:?} is not the enrolled name {:?}", n.as_str())));
+            }
+            Some(n) => n.clone(),
+            None => cn.parse().map_err(|e: meta::NameError| ApiError::invalid("csr", format!("common name: {e}")))?,
+        };
+        for _ in 0..CAS_ATTEMPTS {
+            let token_key = format!("{TOKENS}{}", token.id);
+            let Some(stored) = self.get::<StoredToken>(&token_key).await? else {
+                return Err(ApiError::Unauthorized("bootstrap token is not valid".into()));
+            };
+            let presented = sha256_hex(&token.secret);
+            if !bool::from(presented.as_bytes().ct_eq(stored.object.secret_sha256.as_bytes())) {
+                return Err(ApiError::Unauthorized("bootstrap token is not valid".into()));
+            }
+            let mut tok = stored.object.token.clone();
+            if tok.spec.expires_at.is_some_and(|t| t <= meta::now()) {
+                return Err(ApiError::Unauthorized(format!("bootstrap token {} has expired", token.id)));
+            }
+            if tok.spec.usage_limit.is_some_and(|limit| tok.status.usages >= limit) {
+                return Err(ApiError::Unauthorized(format!("bootstrap token {} is used up", token.id)));
+            }
+            let identity_key = format!("{IDENTITIES}{name}");
+            let existing_identity: Option<Versioned<Identity>> = self.get(&identity_key).await?;
+            if existing_identity.is_some() && !tok.spec.allow_reenroll {
+                return Err(ApiError::Conflict(format!(
+                    "machine {name} is already enrolled; re-enrolling it needs a token created with --allow-reenroll"
+                )));
+            }
+            let issued = self.authority.issue_machine(&name, &req.csr).map_err(|e| ApiError::invalid("csr", e.to_string()))?;
+            let machine_key = format!("{MACHINES}{name}");
+            let existing: Option<Versioned<Machine>> = self.get(&machine_key).await?;
+            let (pools, _) = self.list::<MachinePool>(POOLS).await?;
+            let now = meta::now();
+            let (mut machine, machine_pre) = match existing {
+                Some(m) => (m.object, Precondition::Revision(m.revision)),
+                None => {
+                    let mut m = Machine::new(name.clone());
+                    m.metadata.generation = 1;
+                    m.metadata.uid = Some(new_uid());
+                    m.metadata.creation_timestamp = Some(now);
+                    (m, Precondition::Absent)
+                }
+            };
+            for (k, v) in &tok.spec.labels {
+                machine.metadata.labels.insert(k.clone(), v.clone());
+            }
+            if let Some(pool) = owning_pool(&pools, &machine.metadata.labels) {
+                if machine.spec != pool.spec.template.spec {
+                    machine.spec = pool.spec.template.spec.clone();
+                    machine.metadata.generation += 1;
+                }
+                machine.status.pool = pool.metadata.name.clone();
+            }
+            machine.status.phase = Some(Phase::Enrolled);
+            if req.facts.is_some() {
+                machine.status.facts = req.facts.clone();
+            }
+            machine.status.last_heartbeat_time = Some(now);
+            set_condition(&mut machine.status.conditions, condition::REACHABLE, ConditionStatus::True, "Enrolled", "", now);
+            tok.status.usages += 1;
+            if !tok.status.machines.contains(&name) {
+                tok.status.machines.push(name.clone());
+            }
+            let identity = Identity { serials: vec![issued.serial.clone()], enrolled_at: now };
+            let ops = vec![
+                Op::Put { key: token_key, value: encode(&StoredToken { token: tok, secret_sha256: stored.object.secret_sha256 }), precondition: Precondition::Revision(stored.revision) },
+                Op::Put { key: machine_key, value: encode(&machine), precondition: machine_pre },
+                Op::Put {
+                    key: identity_key,
+                    value: encode(&identity),
+                    precondition: existing_identity.map_or(Precondition::Absent, |i| Precondition::Revision(i.revision)),
+                },
+            ];
+            match self.store.txn(ops).await {
+                Ok(_) => {
+                    self.record_event(name.as_str(), "Normal", "Enrolled", &format!("with token {}, certificate serial {}", token.id, issued.serial), "controller").await?;
+                    return Ok(EnrollResponse { name, certificate: issued.cert_pem, ca_bundle: self.authority.cert_pem.clone() });
+                }
+                Err(StoreError::Conflict { .. }) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(ApiError::Conflict(format!("machine {name} or its token changed during enrollment; try again")))
+    }
+
+    /// Whether a certificate serial may currently act as the machine.
+    pub async fn identity_is_current(&self, name: &Name, serial: &str) -> Result<bool, ApiError> {
+        Ok(self.get::<Identity>(&format!("{IDENTITIES}{name}")).await?.is_some_and(|i| i.object.serials.iter().any(|s| s == serial)))
+    }
+
+    /// Issues a fresh certificate to an enrolled machine; the presenting certificate stays
+    /// valid until the agent uses the new one.
+    pub async fn rotate_certificate(&self, name: &Name, presenting_serial: &str, csr_pem: &str) -> Result<EnrollResponse, ApiError> {
+        let csr = pki::parse_csr(csr_pem).map_err(|e| ApiError::invalid("csr", e.to_string()))?;
+        if pki::csr_common_name(&csr).as_deref() != Some(name.as_str()) {
+            return Err(ApiError::invalid("csr", format!("the CSR's common name must be {name}")));
+        }
+        let key = format!("{IDENTITIES}{name}");
+        for _ in 0..CAS_ATTEMPTS {
+            let current: Versioned<Identity> = self.get(&key).await?.ok_or_else(|| ApiError::Forbidden(format!("machine {name} is not enrolled")))?;
+            let issued = self.authority.issue_machine(name, csr_pem).map_err(|e| ApiError::invalid("csr", e.to_string()))?;
+            let identity = Identity { serials: vec![issued.serial.clone(), presenting_serial.to_owned()], enrolled_at: current.object.enrolled_at };
+            match self.store.txn(vec![Op::Put { key: key.clone(), value: encode(&identity), precondition: Precondition::Revision(current.revision) }]).await {
+                Ok(_) => {
+                    self.record_event(name.as_str(), "Normal", "CertificateRotated", &format!("new serial {}", issued.serial), "controller").await?;
+                    return Ok(EnrollResponse { name: name.clone(), certificate: issued.cert_pem, ca_bundle: self.authority.cert_pem.clone() });
+                }
+                Err(StoreError::Conflict { .. }) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(ApiError::Conflict("identity changed during rotation; try again".into()))
+    }
+}
+
+fn random_token_part(len: usize) -> String {
+    use rand::Rng;
+    const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
+    let mut rng = rand::rng();
+    (0..len).map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char).collect()
+}
+
+pub fn sha256_hex(text: &str) -> String {
+    hex::encode(Sha256::digest(text.as_bytes()))
+}

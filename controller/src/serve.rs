@@ -1,0 +1,164 @@
+//! `keelson-controller serve`: first-start setup of the data directory, the store, the API
+//! server and the background loops, and an orderly shutdown of all of them.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use keelson_api::config::ClientConfig;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::http::{self, ApiConfig, App};
+use crate::metrics::Metrics;
+use crate::pki::{self, Authority};
+use crate::registry::Registry;
+use crate::store::Store;
+use crate::store::sqlite::SqliteStore;
+use crate::waiters::{SpecWaiters, follow_machines};
+
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    pub data_dir: PathBuf,
+    pub listen: SocketAddr,
+    /// Extra DNS names or IP addresses for the server certificate.
+    pub sans: Vec<String>,
+    /// `sqlite` (the default: `DATA_DIR/keelson.db`).
+    pub store: String,
+    /// A machine silent for this long is marked `Reachable=False`.
+    pub unreachable_after: Duration,
+    /// How often pool membership is re-checked (it is also checked on every change).
+    pub reconcile_interval: Duration,
+    pub api: ApiConfig,
+}
+
+/// The admin credential file in the data directory.
+pub fn admin_conf_path(data_dir: &Path) -> PathBuf {
+    data_dir.join("admin.conf")
+}
+
+fn open_store(opts: &ServeOptions) -> anyhow::Result<Arc<dyn Store>> {
+    match opts.store.as_str() {
+        "sqlite" => Ok(Arc::new(SqliteStore::open(&opts.data_dir.join("keelson.db"))?)),
+        other if other.starts_with("etcd://") => {
+            anyhow::bail!("--store {other}: the etcd store is not part of this release; use --store sqlite")
+        }
+        other => anyhow::bail!("--store {other:?}: expected sqlite or etcd://HOST:PORT[,…]"),
+    }
+}
+
+/// The names the server certificate is valid for: the listen address (loopback and the
+/// host name too when it listens on every address) and the operator's extra names.
+fn server_names(listen: &SocketAddr, sans: &[String]) -> Vec<String> {
+    let mut names = Vec::new();
+    if listen.ip().is_unspecified() {
+        names.extend(["127.0.0.1".to_owned(), "::1".to_owned(), "localhost".to_owned()]);
+        if let Ok(host) = std::fs::read_to_string("/proc/sys/kernel/hostname") {
+            names.push(host.trim().to_owned());
+        }
+    } else {
+        names.push(listen.ip().to_string());
+    }
+    names.extend(sans.iter().cloned());
+    names.sort();
+    names.dedup();
+    names
+}
+
+fn server_url(listen: &SocketAddr) -> String {
+    let ip = if listen.ip().is_unspecified() { "127.0.0.1".parse().unwrap_or(listen.ip()) } else { listen.ip() };
+    format!("https://{}", SocketAddr::new(ip, listen.port()))
+}
+
+pub async fn run(opts: ServeOptions, cancel: CancellationToken) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&opts.data_dir).with_context(|| format!("creating {}", opts.data_dir.display()))?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&opts.data_dir, std::fs::Permissions::from_mode(0o700))
+            .with_context(|| format!("restricting {}", opts.data_dir.display()))?;
+    }
+    let store = open_store(&opts)?;
+    let (authority, created) = Authority::load_or_create(&opts.data_dir)?;
+    if created {
+        tracing::info!(path = %opts.data_dir.join("ca.crt").display(), "created a new certificate authority");
+    }
+    let listener = tokio::net::TcpListener::bind(opts.listen).await.with_context(|| format!("listening on {}", opts.listen))?;
+    let bound = listener.local_addr()?;
+    let (server_cert, server_key) = authority.issue_server(&server_names(&bound, &opts.sans))?;
+    pki::write_private(&opts.data_dir.join("server.crt"), server_cert.cert_pem.as_bytes())?;
+    let admin_path = admin_conf_path(&opts.data_dir);
+    if created || !admin_path.exists() {
+        let (admin, key) = authority.issue_admin("admin")?;
+        let conf = ClientConfig::new(vec![server_url(&bound)], authority.cert_pem.clone(), admin.cert_pem, key.serialize_pem());
+        pki::write_private(&admin_path, conf.to_yaml().as_bytes())?;
+        tracing::info!(path = %admin_path.display(), "wrote the admin credential");
+    }
+    let tls = Arc::new(pki::server_tls_config(&authority.cert_pem, &server_cert.cert_pem, &server_key)?);
+    let authority = Arc::new(authority);
+    let waiters = Arc::new(SpecWaiters::default());
+    let app = Arc::new(App {
+        registry: Registry::new(store.clone(), authority),
+        waiters: waiters.clone(),
+        metrics: Metrics::new(),
+        config: opts.api.clone(),
+        shutdown: cancel.clone(),
+    });
+
+    let mut tasks: JoinSet<anyhow::Result<()>> = JoinSet::new();
+    tasks.spawn(follow_machines(store.clone(), waiters, cancel.clone()));
+    tasks.spawn(reachability_loop(app.clone(), opts.unreachable_after, cancel.clone()));
+    tasks.spawn(pool_loop(app.clone(), opts.reconcile_interval, cancel.clone()));
+    tasks.spawn(http::server::serve(listener, tls, http::router(app.clone()), cancel.clone()));
+    // Printed for operators and for tests that wait for the controller to come up.
+    println!("keelson-controller listening on {}", server_url(&bound));
+    sd_ready();
+
+    // The first task to end (an error, or every task seeing the cancellation) ends them all.
+    let mut result = Ok(());
+    while let Some(joined) = tasks.join_next().await {
+        let outcome = joined.map_err(anyhow::Error::from).and_then(|r| r);
+        if let Err(e) = outcome {
+            if result.is_ok() {
+                result = Err(e);
+            }
+        }
+        cancel.cancel();
+    }
+    result
+}
+
+/// Tells systemd the controller is ready when it runs as a notify service.
+fn sd_ready() {
+    if std::env::var_os("NOTIFY_SOCKET").is_some() {
+        if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Ready]) {
+            tracing::warn!(error = %e, "could not notify systemd");
+        }
+    }
+}
+
+async fn reachability_loop(app: Arc<App>, timeout: Duration, cancel: CancellationToken) -> anyhow::Result<()> {
+    let period = (timeout / 4).clamp(Duration::from_millis(200), Duration::from_secs(10));
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return Ok(()),
+            _ = tokio::time::sleep(period) => {}
+        }
+        if let Err(e) = app.registry.mark_unreachable(timeout).await {
+            tracing::warn!(error = %e, "reachability check failed");
+        }
+    }
+}
+
+async fn pool_loop(app: Arc<App>, period: Duration, cancel: CancellationToken) -> anyhow::Result<()> {
+    loop {
+        if let Err(e) = app.registry.reconcile_pools().await {
+            tracing::warn!(error = %e, "pool reconcile failed");
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return Ok(()),
+            _ = tokio::time::sleep(period) => {}
+        }
+    }
+}

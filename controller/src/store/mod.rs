@@ -1,0 +1,141 @@
+//! The `Store`: a key-value store with etcd's semantics, which is all the controller asks of
+//! its storage. Every write gets a new store-wide revision; each key carries the revision that
+//! created it and the one that last changed it; writes can be made conditional on those
+//! (compare-and-swap); several writes can commit atomically; lists go by key prefix; a watch
+//! replays every change after a revision, then follows new ones.
+
+pub mod sqlite;
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use tokio::sync::broadcast;
+
+/// One stored key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    pub key: String,
+    pub value: Arc<[u8]>,
+    pub create_revision: u64,
+    pub mod_revision: u64,
+}
+
+/// What must hold for a write to go ahead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Precondition {
+    /// Write whatever is there.
+    None,
+    /// The key must not exist (create).
+    Absent,
+    /// The key must exist at exactly this modification revision (compare-and-swap).
+    Revision(u64),
+    /// The key must exist, at any revision.
+    Exists,
+}
+
+#[derive(Debug, Clone)]
+pub enum Op {
+    Put { key: String, value: Vec<u8>, precondition: Precondition },
+    Delete { key: String, precondition: Precondition },
+}
+
+impl Op {
+    pub fn key(&self) -> &str {
+        match self {
+            Op::Put { key, .. } | Op::Delete { key, .. } => key,
+        }
+    }
+}
+
+/// One committed change, as a watch delivers it. For a delete, `entry` holds the value the
+/// key had before and `mod_revision` the revision of the delete.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Change {
+    pub deleted: bool,
+    pub entry: Entry,
+}
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum StoreError {
+    #[error("{key} was changed concurrently (expected {expected:?}, found revision {found:?})")]
+    Conflict { key: String, expected: Precondition, found: Option<u64> },
+    #[error("revision {requested} has been compacted; the oldest revision still watchable is {oldest}")]
+    Compacted { requested: u64, oldest: u64 },
+    #[error("storage failure: {0}")]
+    Backend(String),
+    #[error("the store is shut down")]
+    Closed,
+}
+
+/// A watch: the changes after the requested revision, then live ones. `next` returns `None`
+/// when the store shuts down, and `Err(Compacted)` when the watcher fell so far behind that
+/// changes were dropped (the caller lists again and watches from there).
+#[derive(Debug)]
+pub struct Watch {
+    prefix: String,
+    backlog: std::collections::VecDeque<Change>,
+    live: broadcast::Receiver<Arc<Change>>,
+    last_revision: u64,
+}
+
+impl Watch {
+    pub(crate) fn new(prefix: String, backlog: Vec<Change>, live: broadcast::Receiver<Arc<Change>>, after: u64) -> Self {
+        Watch { prefix, backlog: backlog.into(), live, last_revision: after }
+    }
+
+    pub async fn next(&mut self) -> Option<Result<Change, StoreError>> {
+        if let Some(change) = self.backlog.pop_front() {
+            self.last_revision = change.entry.mod_revision;
+            return Some(Ok(change));
+        }
+        loop {
+            match self.live.recv().await {
+                Ok(change) => {
+                    // The backlog may already hold what was broadcast while it was read.
+                    if change.entry.mod_revision <= self.last_revision || !change.entry.key.starts_with(&self.prefix) {
+                        continue;
+                    }
+                    self.last_revision = change.entry.mod_revision;
+                    return Some(Ok((*change).clone()));
+                }
+                Err(broadcast::error::RecvError::Lagged(_)) => {
+                    return Some(Err(StoreError::Compacted { requested: self.last_revision, oldest: self.last_revision + 1 }));
+                }
+                Err(broadcast::error::RecvError::Closed) => return None,
+            }
+        }
+    }
+}
+
+/// A listing and the revision it was read at.
+#[derive(Debug, Clone)]
+pub struct Listing {
+    pub entries: Vec<Entry>,
+    pub revision: u64,
+}
+
+#[async_trait]
+pub trait Store: Send + Sync + std::fmt::Debug + 'static {
+    async fn get(&self, key: &str) -> Result<Option<Entry>, StoreError>;
+    async fn list(&self, prefix: &str) -> Result<Listing, StoreError>;
+    /// Applies every op atomically at one new revision, or none of them when any
+    /// precondition fails. Returns the revision.
+    async fn txn(&self, ops: Vec<Op>) -> Result<u64, StoreError>;
+    /// Every change under `prefix` after revision `after`.
+    async fn watch(&self, prefix: &str, after: u64) -> Result<Watch, StoreError>;
+    /// The newest committed revision.
+    fn revision(&self) -> u64;
+}
+
+/// Conveniences over `txn` for the common single-key writes.
+#[async_trait]
+pub trait StoreExt: Store {
+    async fn put(&self, key: &str, value: Vec<u8>, precondition: Precondition) -> Result<u64, StoreError> {
+        self.txn(vec![Op::Put { key: key.to_owned(), value, precondition }]).await
+    }
+    async fn delete(&self, key: &str, precondition: Precondition) -> Result<u64, StoreError> {
+        self.txn(vec![Op::Delete { key: key.to_owned(), precondition }]).await
+    }
+}
+
+impl<S: Store + ?Sized> StoreExt for S {}
