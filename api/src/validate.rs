@@ -123,11 +123,10 @@ pub fn validate_pool(p: &MachinePool) -> Result<(), ValidationError> {
             errors.add(format!("spec.selector.matchLabels.{k}"), message);
         }
     }
-    if let Some(name) = &p.metadata.name {
-        if p.spec.rollout.after.contains(name) {
+    if let Some(name) = &p.metadata.name
+        && p.spec.rollout.after.contains(name) {
             errors.add("spec.rollout.after", "a pool cannot wait for itself");
         }
-    }
     if p.spec.template.spec.roles.contains(&Role::Etcd) && p.spec.rollout.max_unavailable != crate::pool::IntOrPercent::Int(1) {
         errors.add("spec.rollout.maxUnavailable", "must be 1 for a pool with role etcd (one member at a time)");
     }
@@ -246,11 +245,10 @@ pub fn validate_spec_change(at: &str, old: &MachineSpec, new: &MachineSpec) -> R
     if let (Some(o), Some(n)) = (&old.kubelet, &new.kubelet) {
         check_minor_step(&mut errors, &format!("{at}.kubelet.version"), "kubelet", kube_minor(&o.version), kube_minor(&n.version), false);
     }
-    if let (Some(o), Some(n)) = (&old.etcd, &new.etcd) {
-        if let (Some(ov), Some(nv)) = (release_minor(&o.version), release_minor(&n.version)) {
+    if let (Some(o), Some(n)) = (&old.etcd, &new.etcd)
+        && let (Some(ov), Some(nv)) = (release_minor(&o.version), release_minor(&n.version)) {
             check_minor_step(&mut errors, &format!("{at}.etcd.version"), "etcd", ov, nv, true);
         }
-    }
     errors.finish()
 }
 

@@ -183,8 +183,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 None => kind.path().to_owned(),
             };
             let text = match kind {
-                Kind::Machines => render::<Machine>(&client, &path, name.is_some(), output, |items, wide| output::machines_table(items, wide)).await?,
-                Kind::Pools => render::<MachinePool>(&client, &path, name.is_some(), output, |items, wide| output::pools_table(items, wide)).await?,
+                Kind::Machines => render::<Machine>(&client, &path, name.is_some(), output, output::machines_table).await?,
+                Kind::Pools => render::<MachinePool>(&client, &path, name.is_some(), output, output::pools_table).await?,
                 Kind::Tokens => render::<BootstrapToken>(&client, &path, name.is_some(), output, |items, _| output::tokens_table(items)).await?,
             };
             print!("{text}");

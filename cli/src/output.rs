@@ -27,7 +27,7 @@ pub fn structured<T: Serialize>(value: &T, format: Format) -> anyhow::Result<Str
 fn table(headers: &[&str]) -> Table {
     let mut t = Table::new();
     t.load_preset(NOTHING);
-    t.set_header(headers.iter().map(|h| Cell::new(h)));
+    t.set_header(headers.iter().map(Cell::new));
     t
 }
 

@@ -279,11 +279,10 @@ impl Registry {
         let expected = parse_resource_version(input.metadata.resource_version.as_deref())?;
         let key = format!("{POOLS}{name}");
         let current: Option<Versioned<MachinePool>> = self.get(&key).await?;
-        if let Some(rv) = expected {
-            if current.as_ref().map(|c| c.revision) != Some(rv) {
+        if let Some(rv) = expected
+            && current.as_ref().map(|c| c.revision) != Some(rv) {
                 return Err(ApiError::Conflict(format!("pool {name} changed since resourceVersion {rv}: read it again")));
             }
-        }
         let (pool, precondition) = match &current {
             Some(cur) => {
                 let mut p = cur.object.clone();
@@ -341,13 +340,12 @@ impl Registry {
                 .update_machine(&name, |machine| {
                     let pool = owning_pool(&pools, &machine.metadata.labels);
                     let mut changed = false;
-                    if let Some(p) = pool {
-                        if machine.spec != p.spec.template.spec {
+                    if let Some(p) = pool
+                        && machine.spec != p.spec.template.spec {
                             machine.spec = p.spec.template.spec.clone();
                             machine.metadata.generation += 1;
                             changed = true;
                         }
-                    }
                     let want = pool.and_then(|p| p.metadata.name.clone());
                     if machine.status.pool != want {
                         machine.status.pool = want;

@@ -85,7 +85,7 @@ pub async fn follow_machines(store: Arc<dyn Store>, waiters: Arc<SpecWaiters>, c
                 Some(Ok(_)) => {}
             }
             seen += 1;
-            if seen % SWEEP_EVERY_CHANGES == 0 {
+            if seen.is_multiple_of(SWEEP_EVERY_CHANGES) {
                 waiters.sweep();
             }
         }

@@ -60,7 +60,7 @@ fn reconcile_name(path: &Name, body: &mut keelson_api::meta::ObjectMeta) -> ApiR
 pub async fn list_machines(State(app): State<Arc<App>>, peer: PeerExt, Query(q): Query<ListQuery>) -> ApiResult<Response> {
     require_admin(&peer)?;
     if q.watch {
-        return watch(app, MACHINES, q.resource_version.as_deref(), |e| stamped_value::<Machine>(e)).await;
+        return watch(app, MACHINES, q.resource_version.as_deref(), stamped_value::<Machine>).await;
     }
     let (items, revision) = app.registry.list::<Machine>(MACHINES).await?;
     Ok(Json(List { items: items.into_iter().map(Versioned::stamped).collect(), resource_version: revision.to_string() }).into_response())
@@ -132,7 +132,7 @@ fn with_status(mut pool: MachinePool, pools: &[Versioned<MachinePool>], machines
 pub async fn list_pools(State(app): State<Arc<App>>, peer: PeerExt, Query(q): Query<ListQuery>) -> ApiResult<Response> {
     require_admin(&peer)?;
     if q.watch {
-        return watch(app, POOLS, q.resource_version.as_deref(), |e| stamped_value::<MachinePool>(e)).await;
+        return watch(app, POOLS, q.resource_version.as_deref(), stamped_value::<MachinePool>).await;
     }
     let (pools, revision) = app.registry.list::<MachinePool>(POOLS).await?;
     let (machines, _) = app.registry.list::<Machine>(MACHINES).await?;

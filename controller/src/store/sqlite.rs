@@ -256,15 +256,14 @@ impl Writer {
                 }
             }
         }
-        if revision != base_revision {
-            if let Err(e) = self.write(&outcomes, revision) {
+        if revision != base_revision
+            && let Err(e) = self.write(&outcomes, revision) {
                 tracing::error!(error = %e, "store commit failed");
                 for request in batch {
                     let _ = request.reply.send(Err(e.clone()));
                 }
                 return;
             }
-        }
         {
             let mut state = self.committed.write().unwrap_or_else(|e| panic!("store state poisoned: {e}"));
             for (_, changes) in outcomes.iter().flatten() {
