@@ -10,7 +10,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::meta::{Name, ObjectMeta, Timestamp};
+use crate::meta::{ObjectMeta, Timestamp};
 
 pub const TOKEN_PREFIX: &str = "kst";
 pub const TOKEN_ID_LEN: usize = 6;
@@ -51,8 +51,6 @@ pub struct TokenSpec {
 pub struct TokenStatus {
     #[serde(default)]
     pub usages: u32,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub machines: Vec<Name>,
 }
 
 /// A parsed `kst.<id>.<secret>` token.

@@ -126,17 +126,22 @@ impl Authority {
 
     fn sign(&self, mut params: CertificateParams, key: &impl rcgen::PublicKeyData, days: i64) -> Result<Issued, PkiError> {
         let serial: [u8; 16] = rand::random();
-        // A positive serial: clear the sign bit of the first byte.
-        let mut serial = serial.to_vec();
-        serial[0] &= 0x7f;
         params.serial_number = Some(SerialNumber::from_slice(&serial));
         let now = OffsetDateTime::now_utc();
         params.not_before = now - Duration::minutes(BACKDATE_MINUTES);
         params.not_after = now + Duration::days(days);
         params.use_authority_key_identifier_extension = true;
         let cert = params.signed_by(key, &self.issuer)?;
-        Ok(Issued { cert_pem: cert.pem(), serial: hex::encode(&serial), not_after: params.not_after })
+        Ok(Issued { cert_pem: cert.pem(), serial: serial_hex(&serial), not_after: params.not_after })
     }
+}
+
+/// A serial number as the controller records it: hex of its value without leading zero bytes.
+/// DER drops leading zeros (and adds one before a high bit), so the bytes we chose and the
+/// bytes in the certificate can differ while the number is the same.
+pub fn serial_hex(bytes: &[u8]) -> String {
+    let first = bytes.iter().position(|b| *b != 0).unwrap_or(bytes.len());
+    hex::encode(&bytes[first..])
 }
 
 fn dn(cn: &str, org: Option<&str>) -> DistinguishedName {
@@ -194,7 +199,7 @@ impl Peer {
         match org {
             ORG_ADMINS => Peer::Admin { name: cn.to_owned() },
             ORG_MACHINES => match cn.parse::<Name>() {
-                Ok(name) => Peer::Machine { name, serial: hex::encode(cert.raw_serial()) },
+                Ok(name) => Peer::Machine { name, serial: serial_hex(cert.raw_serial()) },
                 Err(_) => Peer::Unrecognised { subject: subject.to_string() },
             },
             _ => Peer::Unrecognised { subject: subject.to_string() },
@@ -250,4 +255,29 @@ fn write_atomic(path: &Path, contents: &[u8], mode: u32) -> Result<(), PkiError>
     }
     std::fs::rename(&tmp, path).map_err(io_err(path))?;
     std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io_err(dir))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn serials_read_back_from_certificates_match_the_recorded_ones() -> Result<(), PkiError> {
+        let dir = tempfile::tempdir().map_err(|e| PkiError::Invalid(e.to_string()))?;
+        let (ca, _) = Authority::load_or_create(dir.path())?;
+        let name: Name = "m1".parse().map_err(|e: keelson_api::meta::NameError| PkiError::Invalid(e.to_string()))?;
+        // Enough certificates that some serials start with a zero byte or a high bit.
+        for _ in 0..600 {
+            let key = KeyPair::generate()?;
+            let csr = CertificateParams::new(vec![])?.serialize_request(&key)?.pem()?;
+            let issued = ca.issue_machine(&name, &csr)?;
+            let der = CertificateDer::from_pem_slice(issued.cert_pem.as_bytes()).map_err(|e| PkiError::Invalid(e.to_string()))?;
+            match Peer::from_certificate(&der) {
+                Peer::Machine { serial, .. } => assert_eq!(serial, issued.serial),
+                other => panic!("not a machine: {other:?}"),
+            }
+        }
+        assert_eq!(serial_hex(&[0, 0, 0x12, 0x00]), "1200");
+        Ok(())
+    }
 }

@@ -67,6 +67,10 @@ pub struct Identity {
 pub struct Registry {
     pub store: Arc<dyn Store>,
     pub authority: Arc<Authority>,
+    /// Enrollments all update their token's use count; taking them one at a time in this
+    /// process avoids a storm of compare-and-swap retries when a fleet boots at once with one
+    /// token. The compare-and-swap still guards against other writers.
+    enroll_lock: tokio::sync::Mutex<()>,
 }
 
 fn encode<T: Serialize>(value: &T) -> Vec<u8> {
@@ -133,7 +137,7 @@ pub fn owning_pool<'a>(pools: &'a [Versioned<MachinePool>], labels: &BTreeMap<St
 
 impl Registry {
     pub fn new(store: Arc<dyn Store>, authority: Arc<Authority>) -> Self {
-        Registry { store, authority }
+        Registry { store, authority, enroll_lock: tokio::sync::Mutex::new(()) }
     }
 
     pub async fn get<T: DeserializeOwned>(&self, key: &str) -> Result<Option<Versioned<T>>, ApiError> {
@@ -518,6 +522,7 @@ impl Registry {
             Some(n) => n.clone(),
             None => cn.parse().map_err(|e: meta::NameError| ApiError::invalid("csr", format!("common name: {e}")))?,
         };
+        let _one_at_a_time = self.enroll_lock.lock().await;
         for _ in 0..CAS_ATTEMPTS {
             let token_key = format!("{TOKENS}{}", token.id);
             let Some(stored) = self.get::<StoredToken>(&token_key).await? else {
@@ -573,9 +578,6 @@ impl Registry {
             machine.status.last_heartbeat_time = Some(now);
             set_condition(&mut machine.status.conditions, condition::REACHABLE, ConditionStatus::True, "Enrolled", "", now);
             tok.status.usages += 1;
-            if !tok.status.machines.contains(&name) {
-                tok.status.machines.push(name.clone());
-            }
             let identity = Identity { serials: vec![issued.serial.clone()], enrolled_at: now };
             let ops = vec![
                 Op::Put { key: token_key, value: encode(&StoredToken { token: tok, secret_sha256: stored.object.secret_sha256 }), precondition: Precondition::Revision(stored.revision) },

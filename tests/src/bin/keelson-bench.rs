@@ -23,9 +23,12 @@ struct Args {
     /// Simulated machines.
     #[arg(long, default_value_t = 1000)]
     machines: usize,
-    /// Seconds of status writes.
+    /// Seconds of each status-write phase.
     #[arg(long, default_value_t = 10)]
     status_seconds: u64,
+    /// Offered status writes per second, spread evenly over the machines (the paced phase).
+    #[arg(long, default_value_t = 2000)]
+    status_rate: u64,
     /// Fan-out rounds (template changes) to measure.
     #[arg(long, default_value_t = 3)]
     fanout_rounds: usize,
@@ -74,32 +77,15 @@ async fn main() -> anyhow::Result<()> {
     let enroll_seconds = started.elapsed().as_secs_f64();
     eprintln!("enrolled in {enroll_seconds:.1}s");
 
-    // 1. Status writes.
-    let deadline = Instant::now() + Duration::from_secs(args.status_seconds);
-    let mut writers = tokio::task::JoinSet::new();
-    for m in &machines {
-        let m = m.clone();
-        writers.spawn(async move {
-            let mut latencies = Vec::new();
-            let body = status_report(0);
-            while Instant::now() < deadline {
-                let t = Instant::now();
-                let a = m.put("/v1/agent/status", &body).await?;
-                if a.status != 204 {
-                    bail!("status write: {} {}", a.status, a.text);
-                }
-                latencies.push(t.elapsed().as_secs_f64() * 1000.0);
-            }
-            Ok(latencies)
-        });
-    }
-    let mut latencies = Vec::new();
-    while let Some(l) = writers.join_next().await {
-        latencies.extend(l??);
-    }
-    latencies.sort_by(f64::total_cmp);
+    // 1a. Status writes as fast as the machines can go: the ceiling.
+    let saturated = status_phase(&machines, Duration::from_secs(args.status_seconds), None).await?;
+    let saturated_per_second = saturated.len() as f64 / args.status_seconds as f64;
+    eprintln!("status, saturated: {saturated_per_second:.0}/s, p50 {:.1} ms, p99 {:.1} ms", percentile(&saturated, 50.0), percentile(&saturated, 99.0));
+    // 1b. Status writes at the offered rate: the latency a fleet sees.
+    let interval = Duration::from_secs_f64(machines.len() as f64 / args.status_rate.max(1) as f64);
+    let latencies = status_phase(&machines, Duration::from_secs(args.status_seconds), Some(interval)).await?;
     let writes_per_second = latencies.len() as f64 / args.status_seconds as f64;
-    eprintln!("status: {} writes, {writes_per_second:.0}/s, p50 {:.1} ms, p99 {:.1} ms", latencies.len(), percentile(&latencies, 50.0), percentile(&latencies, 99.0));
+    eprintln!("status at {} offered/s: {writes_per_second:.0}/s done, p50 {:.1} ms, p99 {:.1} ms", args.status_rate, percentile(&latencies, 50.0), percentile(&latencies, 99.0));
 
     // 2. Fan-out of a template change to every long-polling machine.
     let mut fanout_p99 = Vec::new();
@@ -144,7 +130,9 @@ async fn main() -> anyhow::Result<()> {
     let summary = json!({
         "machines": args.machines,
         "enroll_seconds": round1(enroll_seconds),
-        "status_writes": latencies.len(),
+        "status_saturated_per_second": round1(saturated_per_second),
+        "status_saturated_p99_ms": round1(percentile(&saturated, 99.0)),
+        "status_offered_per_second": args.status_rate,
         "status_per_second": round1(writes_per_second),
         "status_p50_ms": round1(percentile(&latencies, 50.0)),
         "status_p99_ms": round1(percentile(&latencies, 99.0)),
@@ -154,6 +142,45 @@ async fn main() -> anyhow::Result<()> {
     });
     println!("{summary}");
     Ok(())
+}
+
+/// Every machine writes its status until `length` has passed: back to back, or once per
+/// `interval` from a staggered start. Returns the sorted latencies in milliseconds.
+async fn status_phase(machines: &[ApiClient], length: Duration, interval: Option<Duration>) -> anyhow::Result<Vec<f64>> {
+    let start = tokio::time::Instant::now();
+    let deadline = start + length;
+    let mut writers = tokio::task::JoinSet::new();
+    for (i, m) in machines.iter().enumerate() {
+        let m = m.clone();
+        let offset = interval.map(|iv| iv.mul_f64(i as f64 / machines.len() as f64));
+        writers.spawn(async move {
+            let mut latencies = Vec::new();
+            let body = status_report(0);
+            let mut next = start + offset.unwrap_or_default();
+            loop {
+                if let Some(iv) = interval {
+                    tokio::time::sleep_until(next).await;
+                    next += iv;
+                }
+                if tokio::time::Instant::now() >= deadline {
+                    break;
+                }
+                let t = Instant::now();
+                let a = m.put("/v1/agent/status", &body).await?;
+                if a.status != 204 {
+                    bail!("status write: {} {}", a.status, a.text);
+                }
+                latencies.push(t.elapsed().as_secs_f64() * 1000.0);
+            }
+            Ok(latencies)
+        });
+    }
+    let mut latencies = Vec::new();
+    while let Some(l) = writers.join_next().await {
+        latencies.extend(l??);
+    }
+    latencies.sort_by(f64::total_cmp);
+    Ok(latencies)
 }
 
 fn round1(x: f64) -> f64 {
