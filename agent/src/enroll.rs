@@ -77,7 +77,7 @@ pub async fn enroll(opts: &EnrollOptions) -> Result<EnrollResponse, EnrollError>
     let (key, csr) = make_key_and_csr(&opts.name)?;
     let request = EnrollRequest { token: opts.token.clone(), csr, name: Some(opts.name.clone()), facts: Some(crate::facts::collect()) };
     let url = format!("{}/v1/enroll", opts.server.trim_end_matches('/'));
-    let transport = |e: reqwest::Error| EnrollError::Transport { server: opts.server.clone(), message: error_chain(&e) };
+    let transport = |e: reqwest::Error| EnrollError::Transport { server: opts.server.clone(), message: keelson_api::error_chain(&e) };
     let response = http.post(&url).json(&request).send().await.map_err(transport)?;
     let status = response.status();
     let body = response.bytes().await.map_err(transport)?;
@@ -102,18 +102,4 @@ fn save(dir: &Path, key: &KeyPair, answer: &EnrollResponse, server: &str) -> Res
     let json = serde_json::to_vec_pretty(&record).map_err(|e| EnrollError::Invalid(e.to_string()))?;
     state::write_atomic(&dir.join(IDENTITY_FILE), &json, 0o644)?;
     Ok(())
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        let text = s.to_string();
-        if !out.contains(&text) {
-            out.push_str(": ");
-            out.push_str(&text);
-        }
-        source = s.source();
-    }
-    out
 }

@@ -21,3 +21,19 @@ pub const KIND_TOKEN: &str = "BootstrapToken";
 
 /// Annotation that marks a machine to be removed first when its pool shrinks.
 pub const ANNOTATION_DELETE_MACHINE: &str = "keelson.io/delete-machine";
+
+/// An error with all its causes, for one-line messages: reqwest's and rustls's own Display
+/// hides the part that tells an operator what happened ("connection refused", "unknown CA").
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = s.source();
+    }
+    out
+}

@@ -64,8 +64,8 @@ impl Client {
                     return Ok((status, bytes));
                 }
                 // Only failures to reach a server move on to the next one; an answer is final.
-                Err(e) if e.is_connect() || e.is_timeout() => last_error = Some(anyhow!("{server}: {}", error_chain(&e))),
-                Err(e) => return Err(anyhow!("{server}: {}", error_chain(&e))),
+                Err(e) if e.is_connect() || e.is_timeout() => last_error = Some(anyhow!("{server}: {}", keelson_api::error_chain(&e))),
+                Err(e) => return Err(anyhow!("{server}: {}", keelson_api::error_chain(&e))),
             }
         }
         Err(last_error.unwrap_or_else(|| anyhow!("no controller URL configured")))
@@ -95,19 +95,4 @@ fn server_error(status: StatusCode, body: &[u8]) -> anyhow::Error {
         Ok(e) => anyhow!("{} ({}): {}", e.reason, status.as_u16(), e.message),
         Err(_) => anyhow!("server answered {status}: {}", String::from_utf8_lossy(body).trim()),
     }
-}
-
-/// reqwest's Display hides the cause (connection refused, certificate unknown); show it.
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        let text = s.to_string();
-        if !out.contains(&text) {
-            out.push_str(": ");
-            out.push_str(&text);
-        }
-        source = s.source();
-    }
-    out
 }
