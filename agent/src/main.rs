@@ -1,38 +1,99 @@
-//! keelson-agent: argument parsing and logging; the work is in the library.
+//! keelson-agent: argument parsing, logging and signals; the work is in the library.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use anyhow::Context;
 use clap::{Parser, Subcommand};
+use keelson_agent::config::{self, DEFAULT_CONFIG};
 use keelson_agent::enroll::{EnrollOptions, default_name, enroll};
+use keelson_agent::{daemon, journal, observe, plan};
+use tokio_util::sync::CancellationToken;
 
 #[derive(Parser)]
-#[command(name = "keelson-agent", version, about = "keelson node agent")]
+#[command(name = "keelson-agent", version, about = "keelson node agent: keeps this machine in its declared state")]
 struct Cli {
-    /// Where the agent keeps its identity and state.
-    #[arg(long, default_value = "/var/lib/keelson", global = true)]
-    state_dir: PathBuf,
+    /// Configuration file; `agent.d/*.toml` beside it are merged in name order.
+    #[arg(long, default_value = DEFAULT_CONFIG, global = true)]
+    config: PathBuf,
+    /// Where the agent keeps its identity and journal (overrides the configuration).
+    #[arg(long, global = true)]
+    state_dir: Option<PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
 
 #[derive(Subcommand)]
 enum Command {
+    /// Run the agent (as the systemd service does).
+    Run,
     /// Enroll this machine: make a key here, send a CSR with a bootstrap token, keep the certificate.
     Enroll {
-        /// Controller URL, e.g. https://controller:9443
         #[arg(long)]
         server: String,
-        /// The controller's CA certificate (DATA_DIR/ca.crt on the controller).
         #[arg(long)]
         ca_file: PathBuf,
-        /// Bootstrap token (kst.<id>.<secret>).
         #[arg(long, env = "KEELSON_TOKEN", hide_env_values = true)]
         token: String,
         /// Machine name; the host name by default.
         #[arg(long)]
         name: Option<String>,
     },
+    /// Print the steps that would bring this machine to its spec, without acting.
+    /// Exit 0: nothing to do; 2: steps pending; 1: error.
+    Plan {
+        /// A Machine (YAML or JSON) to plan for; without it, the spec is fetched from the controller.
+        #[arg(long)]
+        spec: Option<PathBuf>,
+    },
+    /// Show the journal: the generation being applied and how far it got.
+    Status,
+}
+
+fn init_logging(level: &str) {
+    use std::io::IsTerminal;
+    use tracing_subscriber::EnvFilter;
+    use tracing_subscriber::prelude::*;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level));
+    let journald = std::env::var_os("JOURNAL_STREAM").and_then(|_| tracing_journald::layer().ok());
+    let registry = tracing_subscriber::registry().with(filter);
+    match journald {
+        Some(layer) => registry.with(layer).init(),
+        None => registry.with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(std::io::stderr().is_terminal())).init(),
+    }
+}
+
+fn load_spec_file(path: &PathBuf) -> anyhow::Result<keelson_api::machine::MachineSpec> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let resources = keelson_api::decode::resources_from_text(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    match resources.into_iter().next() {
+        Some(keelson_api::decode::Resource::Machine(m)) => Ok(m.spec),
+        _ => anyhow::bail!("{}: expected a Machine", path.display()),
+    }
+}
+
+async fn plan_command(cli: &Cli, spec: &Option<PathBuf>) -> anyhow::Result<ExitCode> {
+    let (generation, spec) = match spec {
+        Some(path) => (0, load_spec_file(path)?),
+        None => {
+            let config = config::load(&cli.config, cli.state_dir.as_deref())?;
+            let controller = keelson_agent::client::Controller::from_state(&config.state_dir, &config.servers)?;
+            let answer = controller.spec(0, std::time::Duration::from_secs(1)).await?;
+            (answer.generation, answer.spec)
+        }
+    };
+    let observed = observe::observe(std::path::Path::new("/"), &spec)?;
+    let state_dir = cli.state_dir.clone().unwrap_or_else(|| config::DEFAULT_STATE_DIR.into());
+    let rebooted_for = journal::Journal::load(&state_dir).ok().flatten().and_then(|j| j.rebooted_for_generation);
+    let steps = plan::plan(&spec, &observed, &plan::Context { generation, rebooted_for_generation: rebooted_for })?;
+    if steps.is_empty() {
+        println!("nothing to do");
+        return Ok(ExitCode::SUCCESS);
+    }
+    for (i, s) in steps.iter().enumerate() {
+        println!("{}/{} {}{}", i + 1, steps.len(), s.description, if s.disruptive { " (disruptive)" } else { "" });
+    }
+    Ok(ExitCode::from(2))
 }
 
 fn main() -> ExitCode {
@@ -45,21 +106,56 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let result: anyhow::Result<()> = runtime.block_on(async {
-        match cli.command {
+    let result: anyhow::Result<ExitCode> = runtime.block_on(async {
+        match &cli.command {
+            Command::Run => {
+                let config = config::load(&cli.config, cli.state_dir.as_deref())?;
+                init_logging(&config.log_level);
+                let cancel = CancellationToken::new();
+                let on_signal = cancel.clone();
+                tokio::spawn(async move {
+                    use tokio::signal::unix::{SignalKind, signal};
+                    if let Ok(mut term) = signal(SignalKind::terminate()) {
+                        tokio::select! {
+                            _ = term.recv() => {}
+                            _ = tokio::signal::ctrl_c() => {}
+                        }
+                        tracing::info!("stopping: finishing the current step");
+                        on_signal.cancel();
+                    }
+                });
+                daemon::run(config, cancel).await?;
+                Ok(ExitCode::SUCCESS)
+            }
             Command::Enroll { server, ca_file, token, name } => {
                 let name = match name {
-                    Some(n) => keelson_api::validate::parse_name("--name", &n)?,
+                    Some(n) => keelson_api::validate::parse_name("--name", n)?,
                     None => default_name()?,
                 };
-                let answer = enroll(&EnrollOptions { server, ca_file, token, name, state_dir: cli.state_dir }).await?;
+                let state_dir = cli.state_dir.clone().unwrap_or_else(|| config::DEFAULT_STATE_DIR.into());
+                let answer = enroll(&EnrollOptions { server: server.clone(), ca_file: ca_file.clone(), token: token.clone(), name, state_dir }).await?;
                 println!("{}", answer.name);
-                Ok(())
+                Ok(ExitCode::SUCCESS)
+            }
+            Command::Plan { spec } => plan_command(&cli, spec).await,
+            Command::Status => {
+                let state_dir = cli.state_dir.clone().unwrap_or_else(|| config::DEFAULT_STATE_DIR.into());
+                match journal::Journal::load(&state_dir)? {
+                    None => println!("no journal: nothing applied yet"),
+                    Some(j) => {
+                        println!("generation {}: step {} of {}{}", j.generation, j.next.min(j.steps.len()), j.steps.len(), j.failed.as_ref().map(|f| format!(" — failed: {f}")).unwrap_or_default());
+                        for (i, s) in j.steps.iter().enumerate() {
+                            let mark = if i < j.next { "done" } else if i == j.next { "next" } else { "" };
+                            println!("  {}/{} {:<4} {}", i + 1, j.steps.len(), mark, s.description);
+                        }
+                    }
+                }
+                Ok(ExitCode::SUCCESS)
             }
         }
     });
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(e) => {
             eprintln!("keelson-agent: {e:#}");
             ExitCode::FAILURE

@@ -4,6 +4,7 @@
 
 pub mod error;
 pub mod http;
+pub mod leases;
 pub mod metrics;
 pub mod pki;
 pub mod registry;

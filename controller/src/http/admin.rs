@@ -265,3 +265,8 @@ where
     tokio::spawn(produce(tx));
     tokio_stream::wrappers::ReceiverStream::new(rx)
 }
+
+pub async fn list_leases(State(app): State<Arc<App>>, peer: PeerExt) -> ApiResult<Json<Vec<crate::leases::Lease>>> {
+    require_admin(&peer)?;
+    Ok(Json(app.registry.leases().await?))
+}

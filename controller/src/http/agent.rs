@@ -94,3 +94,50 @@ pub async fn rotate_certificate(State(app): State<Arc<App>>, peer: PeerExt, Json
     let (name, serial) = require_machine(&app, &peer).await?;
     Ok(Json(app.registry.rotate_certificate(&name, &serial, &req.csr).await?))
 }
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LeaseRequest {
+    reason: String,
+    ttl_seconds: u64,
+}
+
+/// 201 with the lease when the budget allows; 429 with the reason to wait otherwise.
+pub async fn acquire_disruption(State(app): State<Arc<App>>, peer: PeerExt, JsonBody(req): JsonBody<LeaseRequest>) -> ApiResult<axum::response::Response> {
+    use axum::response::IntoResponse;
+    let (name, _) = require_machine(&app, &peer).await?;
+    if req.reason.is_empty() || req.reason.len() > 256 {
+        return Err(ApiError::invalid("reason", "must be 1 to 256 characters"));
+    }
+    match app.registry.acquire_lease(&name, &req.reason, req.ttl_seconds).await? {
+        crate::leases::Decision::Granted(lease) => Ok((StatusCode::CREATED, Json(lease)).into_response()),
+        crate::leases::Decision::Wait { message } => Ok((
+            StatusCode::TOO_MANY_REQUESTS,
+            Json(keelson_api::wire::ErrorBody { reason: "DisruptionBudget".into(), message, field: None }),
+        )
+            .into_response()),
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RenewRequest {
+    ttl_seconds: u64,
+}
+
+pub async fn renew_disruption(
+    State(app): State<Arc<App>>,
+    peer: PeerExt,
+    axum::extract::Path(id): axum::extract::Path<String>,
+    JsonBody(req): JsonBody<RenewRequest>,
+) -> ApiResult<Json<crate::leases::Lease>> {
+    let (name, _) = require_machine(&app, &peer).await?;
+    let lease = app.registry.update_lease(&name, &id, Some(req.ttl_seconds)).await?;
+    lease.map(Json).ok_or_else(|| ApiError::Internal("renewal returned no lease".into()))
+}
+
+pub async fn release_disruption(State(app): State<Arc<App>>, peer: PeerExt, axum::extract::Path(id): axum::extract::Path<String>) -> ApiResult<StatusCode> {
+    let (name, _) = require_machine(&app, &peer).await?;
+    app.registry.update_lease(&name, &id, None).await?;
+    Ok(StatusCode::NO_CONTENT)
+}

@@ -1,0 +1,244 @@
+//! `keelson-agent run`: enroll if needed, then keep three owned tasks going until shutdown —
+//! the spec long-poll, the status sender, and the reconcile loop — plus systemd notifications.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use keelson_api::machine::{MachineSpec, Versions};
+use keelson_api::meta::{ConditionStatus, condition, find_condition};
+use keelson_api::wire::{AgentSpec, AgentStatus};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::client::Controller;
+use crate::config::AgentConfig;
+use crate::drivers::systemd;
+use crate::enroll::{EnrollOptions, default_name, enroll};
+use crate::reconcile::{Outcome, Reconciler, Report};
+use crate::state::CERT_FILE;
+
+const LONG_POLL_SECS: u64 = 60;
+const BACKOFF_MAX_SECS: u64 = 60;
+
+/// Exponential backoff with jitter, so a fleet does not retry in step.
+fn backoff(attempt: u32) -> Duration {
+    let base = 1u64 << attempt.min(6);
+    let capped = base.min(BACKOFF_MAX_SECS);
+    let jitter: f64 = rand::random::<f64>() * 0.5 + 0.75;
+    Duration::from_secs_f64(capped as f64 * jitter)
+}
+
+async fn ensure_enrolled(config: &AgentConfig, cancel: &CancellationToken) -> anyhow::Result<()> {
+    if config.state_dir.join(CERT_FILE).exists() {
+        return Ok(());
+    }
+    let token = config.token.clone().context("not enrolled and no token configured: set token in the agent configuration")?;
+    let name = match &config.name {
+        Some(n) => n.clone(),
+        None => default_name()?,
+    };
+    let mut attempt = 0;
+    loop {
+        for server in &config.servers {
+            let opts = EnrollOptions { server: server.clone(), ca_file: config.ca_file.clone(), token: token.clone(), name: name.clone(), state_dir: config.state_dir.clone() };
+            match enroll(&opts).await {
+                Ok(answer) => {
+                    tracing::info!(name = %answer.name, %server, "enrolled");
+                    return Ok(());
+                }
+                // A refusal will not change by retrying (bad token, name taken).
+                Err(e @ crate::enroll::EnrollError::Refused { .. }) => return Err(e.into()),
+                Err(e) => tracing::warn!(%server, error = %e, "enrollment failed; retrying"),
+            }
+        }
+        attempt += 1;
+        tokio::select! {
+            _ = tokio::time::sleep(backoff(attempt)) => {}
+            _ = cancel.cancelled() => anyhow::bail!("shut down before enrolling"),
+        }
+    }
+}
+
+/// Versions of what keelson manages, as installed now.
+fn observed_versions(spec: &MachineSpec) -> Versions {
+    let mut v = Versions::default();
+    let Ok(o) = crate::observe::observe(std::path::Path::new("/"), spec) else { return v };
+    v.kernel = Some(o.running_kernel.clone());
+    if let Some(os) = &spec.os {
+        for p in &os.packages {
+            if let Some(i) = o.packages.get(p.name.as_str()) {
+                v.os.insert(p.name.to_string(), i.version.clone());
+            }
+        }
+    }
+    if let Some(rt) = &spec.container_runtime {
+        let name = rt.source.package.as_ref().map(|p| p.to_string()).unwrap_or_else(|| "containerd".into());
+        v.container_runtime = o.packages.get(&name).map(|i| i.version.clone());
+    }
+    v
+}
+
+pub async fn run(config: AgentConfig, cancel: CancellationToken) -> anyhow::Result<()> {
+    crate::state::ensure_dir(&config.state_dir)?;
+    ensure_enrolled(&config, &cancel).await?;
+    let controller = Controller::from_state(&config.state_dir, &config.servers)?;
+    let report = Arc::new(Report::default());
+    let (spec_tx, spec_rx) = watch::channel::<Option<AgentSpec>>(None);
+
+    let mut tasks: JoinSet<anyhow::Result<()>> = JoinSet::new();
+    tasks.spawn(poll_spec(controller.clone(), spec_tx, cancel.clone()));
+    tasks.spawn(send_status(controller.clone(), report.clone(), spec_rx.clone(), config.heartbeat_interval, cancel.clone()));
+    let reconciler = Reconciler { state_dir: config.state_dir.clone(), controller, lease_ttl: config.lease_ttl, report: report.clone(), cancel: cancel.clone() };
+    tasks.spawn(reconcile_loop(reconciler, spec_rx, config.drift_interval, cancel.clone()));
+    tasks.spawn(watchdog(cancel.clone()));
+    notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status("waiting for the spec")]);
+
+    let mut result = Ok(());
+    while let Some(joined) = tasks.join_next().await {
+        if let Err(e) = joined.map_err(anyhow::Error::from).and_then(|r| r)
+            && result.is_ok() {
+                result = Err(e);
+            }
+        cancel.cancel();
+    }
+    notify(&[sd_notify::NotifyState::Stopping]);
+    result
+}
+
+fn notify(states: &[sd_notify::NotifyState<'_>]) {
+    if std::env::var_os("NOTIFY_SOCKET").is_some() {
+        let _ = sd_notify::notify(states);
+    }
+}
+
+/// Pings the systemd watchdog at half its interval while the process is alive.
+async fn watchdog(cancel: CancellationToken) -> anyhow::Result<()> {
+    let Some(usec) = std::env::var("WATCHDOG_USEC").ok().and_then(|v| v.parse::<u64>().ok()) else {
+        cancel.cancelled().await;
+        return Ok(());
+    };
+    let period = Duration::from_micros(usec / 2);
+    loop {
+        notify(&[sd_notify::NotifyState::Watchdog]);
+        tokio::select! {
+            _ = tokio::time::sleep(period) => {}
+            _ = cancel.cancelled() => return Ok(()),
+        }
+    }
+}
+
+async fn poll_spec(controller: Controller, tx: watch::Sender<Option<AgentSpec>>, cancel: CancellationToken) -> anyhow::Result<()> {
+    let mut after = 0;
+    let mut failures = 0;
+    loop {
+        let answer = tokio::select! {
+            a = controller.spec(after, Duration::from_secs(LONG_POLL_SECS)) => a,
+            _ = cancel.cancelled() => return Ok(()),
+        };
+        match answer {
+            Ok(spec) => {
+                failures = 0;
+                if spec.changed || spec.generation != after {
+                    after = spec.generation;
+                    tracing::info!(generation = spec.generation, "received the spec");
+                    tx.send_replace(Some(spec));
+                }
+            }
+            Err(e) if e.status() == Some(403) || e.status() == Some(401) => {
+                anyhow::bail!("the controller no longer accepts this machine's identity: {e}");
+            }
+            Err(e) => {
+                failures += 1;
+                let wait = backoff(failures);
+                tracing::warn!(error = %e, retry_in = ?wait, "could not fetch the spec; the machine is left as it is");
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => {}
+                    _ = cancel.cancelled() => return Ok(()),
+                }
+            }
+        }
+    }
+}
+
+async fn send_status(controller: Controller, report: Arc<Report>, spec: watch::Receiver<Option<AgentSpec>>, every: Duration, cancel: CancellationToken) -> anyhow::Result<()> {
+    let facts = crate::facts::collect();
+    let mut first = true;
+    loop {
+        tokio::select! {
+            _ = report.changed.notified() => {}
+            _ = tokio::time::sleep(every) => {}
+            _ = cancel.cancelled() => return Ok(()),
+        }
+        let desired = spec.borrow().as_ref().map(|s| s.spec.clone()).unwrap_or_default();
+        let mut state = report.snapshot();
+        let degraded = find_condition(&state.conditions, condition::DEGRADED).is_some_and(|c| c.status == ConditionStatus::True);
+        let runtime_ok = desired.container_runtime.is_none() || systemd::is_active("containerd").await;
+        let (ready, reason, message) = match (degraded, runtime_ok) {
+            (true, _) => (ConditionStatus::False, "Degraded", "see the Degraded condition"),
+            (false, false) => (ConditionStatus::False, "RuntimeDown", "containerd is not active"),
+            (false, true) => (ConditionStatus::True, "Healthy", ""),
+        };
+        keelson_api::meta::set_condition(&mut state.conditions, condition::READY, ready, reason, message, keelson_api::meta::now());
+        report.update(|s| s.conditions = state.conditions.clone());
+        let status = AgentStatus {
+            phase: state.phase,
+            observed_generation: state.observed_generation,
+            conditions: state.conditions,
+            versions: observed_versions(&desired),
+            facts: first.then(|| facts.clone()),
+            current_step: state.current_step.clone(),
+        };
+        if let Some(step) = &state.current_step {
+            let text = format!("{}/{} {}", step.index, step.total, step.description);
+            notify(&[sd_notify::NotifyState::Status(&text)]);
+        }
+        match controller.status(&status).await {
+            Ok(()) => first = false,
+            Err(e) => tracing::warn!(error = %e, "could not report status"),
+        }
+        let events = report.take_events();
+        if !events.is_empty()
+            && let Err(e) = controller.events(events.clone()).await {
+                tracing::warn!(error = %e, "could not send events; keeping them");
+                report.update(|s| {
+                    let mut kept = events;
+                    kept.append(&mut s.events);
+                    s.events = kept;
+                });
+            }
+    }
+}
+
+async fn reconcile_loop(reconciler: Reconciler, mut spec: watch::Receiver<Option<AgentSpec>>, drift_every: Duration, cancel: CancellationToken) -> anyhow::Result<()> {
+    // Nothing to do before the first spec arrives.
+    loop {
+        if spec.borrow().is_some() {
+            break;
+        }
+        tokio::select! {
+            r = spec.changed() => r?,
+            _ = cancel.cancelled() => return Ok(()),
+        }
+    }
+    loop {
+        let current = spec.borrow_and_update().clone();
+        let Some(current) = current else { continue };
+        let outcome = reconciler.reconcile(current.generation, &current.spec).await;
+        tracing::info!(generation = current.generation, ?outcome, "reconcile pass ended");
+        match outcome {
+            Outcome::Rebooting | Outcome::Interrupted => {
+                // systemd stops us for the reboot; shutdown ends the loop.
+                cancel.cancelled().await;
+                return Ok(());
+            }
+            Outcome::Converged | Outcome::Degraded { .. } => {}
+        }
+        tokio::select! {
+            r = spec.changed() => r?,
+            _ = tokio::time::sleep(drift_every) => {}
+            _ = cancel.cancelled() => return Ok(()),
+        }
+    }
+}

@@ -1,0 +1,8 @@
+//! Drivers: the real operations that change this machine, each external tool in its own
+//! module, run as argv (never through a shell) with a timeout, its stderr kept for the error.
+
+pub mod apt;
+pub mod command;
+pub mod containerd;
+pub mod files;
+pub mod systemd;

@@ -1,0 +1,20 @@
+//! systemd through systemctl: restart a unit, ask whether it is active, reboot.
+
+use std::time::Duration;
+
+use super::command::{CommandError, run};
+
+const SYSTEMCTL_TIMEOUT_SECS: u64 = 300;
+
+pub async fn restart(unit: &str) -> Result<(), CommandError> {
+    run(&["systemctl", "restart", unit], &[], Duration::from_secs(SYSTEMCTL_TIMEOUT_SECS)).await.map(|_| ())
+}
+
+pub async fn is_active(unit: &str) -> bool {
+    run(&["systemctl", "is-active", "--quiet", unit], &[], Duration::from_secs(30)).await.is_ok()
+}
+
+/// Asks systemd to reboot; returns once the request is queued (the agent is stopped soon).
+pub async fn reboot() -> Result<(), CommandError> {
+    run(&["systemctl", "reboot"], &[], Duration::from_secs(60)).await.map(|_| ())
+}

@@ -1,0 +1,130 @@
+//! Observation: what is installed and running on this machine, read from the dpkg status
+//! database, /proc, the kernel symlinks and the managed files. Everything is read under a
+//! root directory so tests can observe a fake tree.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use keelson_api::machine::MachineSpec;
+use sha2::{Digest, Sha256};
+
+/// Where the agent keeps the repositories it manages.
+pub const SOURCES_FILE: &str = "etc/apt/sources.list.d/keelson.sources";
+pub const CONTAINERD_CONFIG: &str = "etc/containerd/config.toml";
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Installed {
+    pub version: String,
+    pub held: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileState {
+    pub sha256: String,
+    pub mode: u32,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Observed {
+    pub packages: BTreeMap<String, Installed>,
+    /// `uname -r`.
+    pub running_kernel: String,
+    /// The kernel the boot loader starts next (`/vmlinuz`'s target), when known.
+    pub boot_kernel: Option<String>,
+    /// `/run/reboot-required` exists.
+    pub reboot_required: bool,
+    pub boot_id: String,
+    /// Current content of the files the spec manages (including the sources and runtime
+    /// configuration), by absolute path; absent files are missing from the map.
+    pub files: BTreeMap<String, FileState>,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("observing {path}: {message}")]
+pub struct ObserveError {
+    pub path: PathBuf,
+    pub message: String,
+}
+
+/// Parses dpkg's status database: packages whose status is "installed", with their
+/// version and whether they are held.
+pub fn parse_dpkg_status(text: &str) -> BTreeMap<String, Installed> {
+    let mut out = BTreeMap::new();
+    for para in text.split("\n\n") {
+        let (mut name, mut version, mut status) = (None, None, None);
+        for line in para.lines() {
+            if let Some(v) = line.strip_prefix("Package: ") {
+                name = Some(v.trim());
+            } else if let Some(v) = line.strip_prefix("Version: ") {
+                version = Some(v.trim());
+            } else if let Some(v) = line.strip_prefix("Status: ") {
+                status = Some(v.trim());
+            }
+        }
+        if let (Some(name), Some(version), Some(status)) = (name, version, status) {
+            let words: Vec<&str> = status.split_whitespace().collect();
+            if words.len() == 3 && words[2] == "installed" {
+                out.insert(name.to_owned(), Installed { version: version.to_owned(), held: words[0] == "hold" });
+            }
+        }
+    }
+    out
+}
+
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    hex::encode(Sha256::digest(bytes))
+}
+
+/// The kernel release in a `/vmlinuz` target such as `boot/vmlinuz-6.1.0-41-amd64`.
+pub fn kernel_from_image_name(target: &str) -> Option<String> {
+    target.rsplit('/').next()?.strip_prefix("vmlinuz-").map(str::to_owned)
+}
+
+/// Observes the machine rooted at `root` for `spec`.
+pub fn observe(root: &Path, spec: &MachineSpec) -> Result<Observed, ObserveError> {
+    let at = |p: &str| root.join(p.trim_start_matches('/'));
+    let status_path = at("var/lib/dpkg/status");
+    let status = std::fs::read_to_string(&status_path).map_err(|e| ObserveError { path: status_path.clone(), message: e.to_string() })?;
+    let read = |p: &str| std::fs::read_to_string(at(p)).map(|s| s.trim().to_owned()).unwrap_or_default();
+    let boot_kernel = std::fs::read_link(at("vmlinuz")).ok().and_then(|t| kernel_from_image_name(&t.to_string_lossy()));
+    let mut paths: Vec<String> = spec.files.iter().map(|f| f.path.clone()).collect();
+    paths.push(format!("/{SOURCES_FILE}"));
+    paths.push(format!("/{CONTAINERD_CONFIG}"));
+    let mut files = BTreeMap::new();
+    for p in paths {
+        use std::os::unix::fs::PermissionsExt;
+        let full = at(&p);
+        if let (Ok(bytes), Ok(meta)) = (std::fs::read(&full), std::fs::metadata(&full)) {
+            files.insert(p, FileState { sha256: sha256_hex(&bytes), mode: meta.permissions().mode() & 0o7777 });
+        }
+    }
+    Ok(Observed {
+        packages: parse_dpkg_status(&status),
+        running_kernel: read("proc/sys/kernel/osrelease"),
+        boot_kernel,
+        reboot_required: at("run/reboot-required").exists(),
+        boot_id: read("proc/sys/kernel/random/boot_id"),
+        files,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const STATUS: &str = "Package: containerd\nStatus: hold ok installed\nPriority: optional\nVersion: 1.6.20~ds1-1+deb12u2\nDescription: daemon\n multi-line\n\nPackage: removed-one\nStatus: deinstall ok config-files\nVersion: 1.0\n\nPackage: openssl\nStatus: install ok installed\nVersion: 3.0.17-1~deb12u2\n";
+
+    #[test]
+    fn parses_dpkg_status() {
+        let p = parse_dpkg_status(STATUS);
+        assert_eq!(p.len(), 2, "config-files only packages are not installed");
+        assert_eq!(p["containerd"], Installed { version: "1.6.20~ds1-1+deb12u2".into(), held: true });
+        assert_eq!(p["openssl"], Installed { version: "3.0.17-1~deb12u2".into(), held: false });
+    }
+
+    #[test]
+    fn reads_the_kernel_release_from_the_image_link() {
+        assert_eq!(kernel_from_image_name("boot/vmlinuz-6.1.0-41-amd64").as_deref(), Some("6.1.0-41-amd64"));
+        assert_eq!(kernel_from_image_name("boot/initrd.img-6.1.0-41-amd64"), None);
+    }
+}

@@ -1,0 +1,443 @@
+//! The reconcile state machine: one generation of the spec, carried out step by step.
+//!
+//! ```text
+//!            new generation / drift timer
+//!   Idle ──────────────────────────────▶ Planning ──(empty plan)──▶ Converged ──▶ Idle
+//!    ▲                                      │ steps (journal written)
+//!    │                                      ▼
+//!    │         ┌──────────────────────▶ Executing(i) ──ok──▶ Executing(i+1) … ──▶ Converged
+//!    │         │ lease granted              │ disruptive, no lease        │ reboot step
+//!    │    WaitingForLease ◀─────────────────┘                             ▼
+//!    │                                                    Rebooting ──(new boot id)──▶ Verifying
+//!    │                                                                  kernel as expected │ ▲ not
+//!    │                                                                   → Executing(i+1) ─┘ └─▶ Degraded
+//!    └──── Degraded ◀── a step failed MAX_ATTEMPTS times, or the spec asks for what this agent
+//!                      cannot do; stays until a new generation arrives
+//! ```
+//!
+//! The journal (see `journal`) is written before every step and after every transition, so a
+//! kill, a crash or the reboot itself resumes at the same place. The phase names above are
+//! what the agent reports in its status.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use keelson_api::machine::{CurrentStep, MachineSpec, Phase};
+use keelson_api::meta::{self, Condition, ConditionStatus, condition, set_condition};
+use keelson_api::wire::Event;
+use tokio_util::sync::CancellationToken;
+
+use crate::client::{Controller, LeaseAnswer};
+use crate::drivers::{apt, containerd, files, systemd};
+use crate::journal::{Journal, RebootRecord};
+use crate::observe::{self, CONTAINERD_CONFIG, SOURCES_FILE};
+use crate::plan::{self, Action, Context, Step};
+
+/// Attempts at a failing step before the machine is Degraded.
+pub const MAX_ATTEMPTS: u32 = 3;
+const RETRY_BASE_SECS: u64 = 5;
+const LEASE_RETRY_SECS: u64 = 5;
+/// A reboot outlives any renewal by the agent, so its lease must cover the whole boot.
+const REBOOT_LEASE_TTL_SECS: u64 = 900;
+
+/// How one reconcile pass ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Converged,
+    Degraded { reason: String, message: String },
+    /// The machine is rebooting; the next start of the agent carries on.
+    Rebooting,
+    /// Shutdown was requested between steps; the journal says where to resume.
+    Interrupted,
+}
+
+/// What the agent will report next; shared with the status sender.
+#[derive(Debug, Default)]
+pub struct Report {
+    inner: Mutex<ReportState>,
+    pub changed: tokio::sync::Notify,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct ReportState {
+    pub phase: Option<Phase>,
+    pub observed_generation: u64,
+    pub conditions: Vec<Condition>,
+    pub current_step: Option<CurrentStep>,
+    pub events: Vec<Event>,
+}
+
+impl Report {
+    pub fn update(&self, f: impl FnOnce(&mut ReportState)) {
+        {
+            let mut s = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+            f(&mut s);
+        }
+        self.changed.notify_one();
+    }
+
+    pub fn snapshot(&self) -> ReportState {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Takes the events not yet sent.
+    pub fn take_events(&self) -> Vec<Event> {
+        std::mem::take(&mut self.inner.lock().unwrap_or_else(|e| e.into_inner()).events)
+    }
+
+    pub fn event(&self, type_: &str, reason: &str, message: impl Into<String>) {
+        let message = message.into();
+        match type_ {
+            "Warning" => tracing::warn!(reason, %message, "event"),
+            _ => tracing::info!(reason, %message, "event"),
+        }
+        self.update(|s| s.events.push(Event { time: meta::now(), type_: type_.into(), reason: reason.into(), message, source: "agent".into() }));
+    }
+
+    pub fn condition(&self, type_: &str, status: ConditionStatus, reason: &str, message: &str) {
+        self.update(|s| {
+            set_condition(&mut s.conditions, type_, status, reason, message, meta::now());
+        });
+    }
+}
+
+#[derive(Debug)]
+pub struct Reconciler {
+    pub state_dir: PathBuf,
+    pub controller: Controller,
+    pub lease_ttl: Duration,
+    pub report: Arc<Report>,
+    pub cancel: CancellationToken,
+}
+
+#[derive(Debug, thiserror::Error)]
+enum StepError {
+    /// Retrying cannot help (a version the repositories lack): fail at once.
+    #[error("{0}")]
+    Permanent(String),
+    #[error("{0}")]
+    Transient(String),
+}
+
+impl From<apt::AptError> for StepError {
+    fn from(e: apt::AptError) -> Self {
+        match e {
+            apt::AptError::VersionNotFound { .. } => StepError::Permanent(e.to_string()),
+            other => StepError::Transient(other.to_string()),
+        }
+    }
+}
+
+fn transient(e: impl std::fmt::Display) -> StepError {
+    StepError::Transient(e.to_string())
+}
+
+enum StepDone {
+    Done,
+    Rebooting,
+}
+
+impl Reconciler {
+    fn root() -> PathBuf {
+        PathBuf::from("/")
+    }
+
+    fn set_phase(&self, phase: Phase, generation: u64) {
+        self.report.update(|s| {
+            s.phase = Some(phase);
+            s.observed_generation = generation;
+        });
+    }
+
+    fn degraded(&self, generation: u64, reason: &str, message: String) -> Outcome {
+        self.set_phase(Phase::Degraded, generation);
+        self.report.condition(condition::DEGRADED, ConditionStatus::True, reason, &message);
+        self.report.condition(condition::UPDATING, ConditionStatus::False, reason, "");
+        self.report.condition(condition::UP_TO_DATE, ConditionStatus::False, reason, &message);
+        self.report.update(|s| s.current_step = None);
+        Outcome::Degraded { reason: reason.into(), message }
+    }
+
+    /// One pass for `generation`: resume the journal, or plan and carry out a new one.
+    pub async fn reconcile(&self, generation: u64, spec: &MachineSpec) -> Outcome {
+        let journal = match Journal::load(&self.state_dir) {
+            Ok(j) => j,
+            Err(e) => return self.degraded(generation, "JournalUnreadable", e.to_string()),
+        };
+        let mut journal = match journal {
+            Some(j) if j.generation == generation && j.failed.is_some() => {
+                // Already failed: not retried until a new generation arrives.
+                let message = j.failed.clone().unwrap_or_default();
+                return self.degraded(generation, "StepFailed", message);
+            }
+            Some(j) if j.generation == generation && !j.is_done() => j,
+            previous => {
+                let rebooted_for = previous.as_ref().and_then(|j| j.rebooted_for_generation);
+                let observed = match observe::observe(&Self::root(), spec) {
+                    Ok(o) => o,
+                    Err(e) => return self.degraded(generation, "ObserveFailed", e.to_string()),
+                };
+                let ctx = Context { generation, rebooted_for_generation: rebooted_for };
+                let steps = match plan::plan(spec, &observed, &ctx) {
+                    Ok(s) => s,
+                    Err(e) => return self.degraded(generation, "Unsupported", e.to_string()),
+                };
+                let drift = previous.as_ref().is_some_and(|j| j.generation == generation && j.is_done());
+                let journal = Journal::new(generation, steps, rebooted_for);
+                if let Err(e) = journal.save(&self.state_dir) {
+                    return self.degraded(generation, "JournalUnwritable", e.to_string());
+                }
+                if journal.steps.is_empty() {
+                    return self.converged(generation);
+                }
+                if drift {
+                    let what = journal.steps.iter().map(|s| s.description.clone()).collect::<Vec<_>>().join("; ");
+                    self.report.condition(condition::UP_TO_DATE, ConditionStatus::False, "Drift", &what);
+                    self.report.event("Warning", "Drift", format!("the machine no longer matches generation {generation}: {what}"));
+                } else {
+                    self.report.condition(condition::UP_TO_DATE, ConditionStatus::False, "Pending", &format!("{} steps to generation {generation}", journal.steps.len()));
+                }
+                journal
+            }
+        };
+        self.report.condition(condition::DEGRADED, ConditionStatus::False, "AsExpected", "");
+        self.execute(&mut journal).await
+    }
+
+    fn converged(&self, generation: u64) -> Outcome {
+        self.set_phase(Phase::Ready, generation);
+        self.report.condition(condition::UP_TO_DATE, ConditionStatus::True, "Converged", &format!("generation {generation} applied"));
+        self.report.condition(condition::UPDATING, ConditionStatus::False, "Converged", "");
+        self.report.condition(condition::DEGRADED, ConditionStatus::False, "AsExpected", "");
+        self.report.update(|s| s.current_step = None);
+        Outcome::Converged
+    }
+
+    fn save(&self, journal: &Journal) -> Result<(), Outcome> {
+        journal.save(&self.state_dir).map_err(|e| self.degraded(journal.generation, "JournalUnwritable", e.to_string()))
+    }
+
+    async fn execute(&self, journal: &mut Journal) -> Outcome {
+        let generation = journal.generation;
+        let total = journal.steps.len() as u32;
+        while !journal.is_done() {
+            if self.cancel.is_cancelled() {
+                return Outcome::Interrupted;
+            }
+            let index = journal.next;
+            let step = journal.steps[index].clone();
+            self.set_phase(Phase::Converging, generation);
+            self.report.update(|s| s.current_step = Some(CurrentStep { index: index as u32 + 1, total, description: step.description.clone() }));
+            if step.disruptive && journal.lease.is_none() {
+                let ttl = if matches!(step.action, Action::Reboot { .. }) { Duration::from_secs(REBOOT_LEASE_TTL_SECS) } else { self.lease_ttl };
+                match self.acquire_lease(&step.description, ttl).await {
+                    Some(id) => {
+                        journal.lease = Some(id);
+                        if let Err(o) = self.save(journal) {
+                            return o;
+                        }
+                    }
+                    None => return Outcome::Interrupted,
+                }
+            }
+            self.report.condition(condition::UPDATING, ConditionStatus::True, "Step", &format!("{}/{total} {}", index + 1, step.description));
+            if let Err(o) = self.save(journal) {
+                return o;
+            }
+            let result = if journal.reboot.is_some() {
+                self.verify_reboot(journal).await
+            } else {
+                self.report.event("Normal", "StepStarted", format!("{}/{total} {}", index + 1, step.description));
+                let renewing = self.renew_in_background(journal.lease.clone(), &step);
+                let r = self.run_step(journal, &step).await;
+                if let Some(h) = renewing {
+                    h.abort();
+                }
+                r
+            };
+            match result {
+                Ok(StepDone::Rebooting) => {
+                    self.set_phase(Phase::Converging, generation);
+                    return Outcome::Rebooting;
+                }
+                Ok(StepDone::Done) => {
+                    self.report.event("Normal", "StepSucceeded", format!("{}/{total} {}", index + 1, step.description));
+                    journal.next += 1;
+                    journal.attempts = 0;
+                    journal.reboot = None;
+                    let next_disruptive = journal.steps.get(journal.next).is_some_and(|s| s.disruptive);
+                    if !next_disruptive {
+                        self.release_lease(journal).await;
+                    }
+                    if let Err(o) = self.save(journal) {
+                        return o;
+                    }
+                }
+                Err(e) => {
+                    journal.attempts += 1;
+                    let permanent = matches!(e, StepError::Permanent(_));
+                    let message = format!("step {}/{total} ({}) failed: {e}", index + 1, step.description);
+                    self.report.event("Warning", "StepFailed", format!("{message} (attempt {} of {MAX_ATTEMPTS})", journal.attempts));
+                    if permanent || journal.attempts >= MAX_ATTEMPTS {
+                        journal.failed = Some(message.clone());
+                        self.release_lease(journal).await;
+                        if let Err(o) = self.save(journal) {
+                            return o;
+                        }
+                        return self.degraded(generation, "StepFailed", message);
+                    }
+                    if let Err(o) = self.save(journal) {
+                        return o;
+                    }
+                    let backoff = Duration::from_secs(RETRY_BASE_SECS * 3u64.pow(journal.attempts - 1));
+                    tokio::select! {
+                        _ = tokio::time::sleep(backoff) => {}
+                        _ = self.cancel.cancelled() => return Outcome::Interrupted,
+                    }
+                }
+            }
+        }
+        self.release_lease(journal).await;
+        let _ = self.save(journal);
+        self.report.event("Normal", "Converged", format!("generation {generation} applied"));
+        self.converged(generation)
+    }
+
+    /// Waits for a lease, reporting why it waits. `None` when shutting down.
+    async fn acquire_lease(&self, what: &str, ttl: Duration) -> Option<String> {
+        let mut waiting_reported = false;
+        loop {
+            match self.controller.acquire_lease(what, ttl).await {
+                Ok(LeaseAnswer::Granted(l)) => {
+                    self.report.event("Normal", "DisruptionGranted", format!("lease {} for {what}", l.id));
+                    return Some(l.id);
+                }
+                Ok(LeaseAnswer::Wait(message)) => {
+                    if !waiting_reported {
+                        self.report.condition(condition::UPDATING, ConditionStatus::True, "WaitingForDisruptionBudget", &message);
+                        waiting_reported = true;
+                    }
+                }
+                Err(e) => {
+                    self.report.condition(condition::UPDATING, ConditionStatus::True, "WaitingForController", &e.to_string());
+                }
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_secs(LEASE_RETRY_SECS)) => {}
+                _ = self.cancel.cancelled() => return None,
+            }
+        }
+    }
+
+    async fn release_lease(&self, journal: &mut Journal) {
+        if let Some(id) = journal.lease.take()
+            && let Err(e) = self.controller.release_lease(&id).await {
+                // Not fatal: an unreleased lease expires by itself.
+                tracing::warn!(lease = %id, error = %e, "could not release the disruption lease");
+            }
+    }
+
+    fn renew_in_background(&self, lease: Option<String>, step: &Step) -> Option<tokio::task::JoinHandle<()>> {
+        let id = lease?;
+        if matches!(step.action, Action::Reboot { .. }) {
+            return None;
+        }
+        let controller = self.controller.clone();
+        let ttl = self.lease_ttl;
+        Some(tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(ttl / 3).await;
+                if let Err(e) = controller.renew_lease(&id, ttl).await {
+                    tracing::warn!(lease = %id, error = %e, "could not renew the disruption lease");
+                }
+            }
+        }))
+    }
+
+    async fn run_step(&self, journal: &mut Journal, step: &Step) -> Result<StepDone, StepError> {
+        match &step.action {
+            Action::Repositories { content } => {
+                files::write(&format!("/{SOURCES_FILE}"), content, 0o644, None).map_err(transient)?;
+                apt::update().await?;
+            }
+            Action::Packages { install, hold } => {
+                apt::update().await?;
+                apt::ensure_available(install).await?;
+                apt::install(install).await?;
+                apt::hold(hold).await?;
+            }
+            Action::Hold { names } => apt::hold(names).await?,
+            Action::Runtime { package, config, previous } => self.runtime_step(package.as_ref(), config.as_deref(), previous.as_deref()).await?,
+            Action::WriteFile { path, content, mode, owner } => files::write(path, content, *mode, owner.as_deref()).map_err(transient)?,
+            Action::Reboot { reason } => {
+                let observed = observe::observe(&Self::root(), &MachineSpec::default()).map_err(transient)?;
+                journal.reboot = Some(RebootRecord { boot_id_before: observed.boot_id.clone(), expected_kernel: observed.boot_kernel.clone() });
+                journal.rebooted_for_generation = Some(journal.generation);
+                journal.save(&self.state_dir).map_err(transient)?;
+                self.report.event("Normal", "Rebooting", format!("{reason}; expecting kernel {}", observed.boot_kernel.unwrap_or_else(|| "unknown".into())));
+                systemd::reboot().await.map_err(transient)?;
+                return Ok(StepDone::Rebooting);
+            }
+        }
+        Ok(StepDone::Done)
+    }
+
+    async fn runtime_step(&self, package: Option<&plan::Pin>, config: Option<&str>, previous: Option<&str>) -> Result<(), StepError> {
+        if let Some(p) = package {
+            apt::update().await?;
+            apt::ensure_available(std::slice::from_ref(p)).await?;
+            apt::install(std::slice::from_ref(p)).await?;
+            apt::hold(std::slice::from_ref(&p.name)).await?;
+        }
+        if let Some(c) = config {
+            files::write(&format!("/{CONTAINERD_CONFIG}"), c, 0o644, None).map_err(transient)?;
+        }
+        systemd::restart("containerd").await.map_err(transient)?;
+        match containerd::wait_healthy().await {
+            Ok(version) => {
+                tracing::info!(%version, "containerd answers");
+                Ok(())
+            }
+            Err(health) => {
+                let (Some(p), Some(prev)) = (package, previous) else {
+                    return Err(StepError::Transient(format!("containerd failed its health check: {health}")));
+                };
+                let back = plan::Pin { name: p.name.clone(), version: prev.to_owned() };
+                let rolled = async {
+                    apt::ensure_available(std::slice::from_ref(&back)).await?;
+                    apt::install(std::slice::from_ref(&back)).await?;
+                    systemd::restart("containerd").await.map_err(apt::AptError::from)?;
+                    Ok::<(), apt::AptError>(())
+                }
+                .await;
+                let what = match rolled {
+                    Ok(()) => format!("rolled back to {prev}"),
+                    Err(e) => format!("rollback to {prev} failed too: {e}"),
+                };
+                Err(StepError::Permanent(format!("containerd {} failed its health check ({health}); {what}", p.version)))
+            }
+        }
+    }
+
+    /// After the reboot: a new boot id means the machine rebooted; the kernel must be the one
+    /// the boot loader was to start.
+    async fn verify_reboot(&self, journal: &mut Journal) -> Result<StepDone, StepError> {
+        let record = journal.reboot.clone().ok_or_else(|| transient("no reboot record"))?;
+        let observed = observe::observe(&Self::root(), &MachineSpec::default()).map_err(transient)?;
+        if observed.boot_id == record.boot_id_before {
+            // The agent restarted before the machine went down: ask again.
+            systemd::reboot().await.map_err(transient)?;
+            return Ok(StepDone::Rebooting);
+        }
+        match &record.expected_kernel {
+            Some(k) if *k != observed.running_kernel => {
+                Err(StepError::Permanent(format!("the machine came back on kernel {}, expected {k}", observed.running_kernel)))
+            }
+            _ => {
+                self.report.event("Normal", "Rebooted", format!("running kernel {}", observed.running_kernel));
+                Ok(StepDone::Done)
+            }
+        }
+    }
+}
