@@ -172,16 +172,19 @@ async fn send_status(controller: Controller, report: Arc<Report>, spec: watch::R
             _ = cancel.cancelled() => return Ok(()),
         }
         let desired = spec.borrow().as_ref().map(|s| s.spec.clone()).unwrap_or_default();
-        let mut state = report.snapshot();
-        let degraded = find_condition(&state.conditions, condition::DEGRADED).is_some_and(|c| c.status == ConditionStatus::True);
+        let degraded = find_condition(&report.snapshot().conditions, condition::DEGRADED).is_some_and(|c| c.status == ConditionStatus::True);
         let runtime_ok = desired.container_runtime.is_none() || systemd::is_active("containerd").await;
         let (ready, reason, message) = match (degraded, runtime_ok) {
             (true, _) => (ConditionStatus::False, "Degraded", "see the Degraded condition"),
             (false, false) => (ConditionStatus::False, "RuntimeDown", "containerd is not active"),
             (false, true) => (ConditionStatus::True, "Healthy", ""),
         };
-        keelson_api::meta::set_condition(&mut state.conditions, condition::READY, ready, reason, message, keelson_api::meta::now());
-        report.update(|s| s.conditions = state.conditions.clone());
+        // Only Ready is the sender's: set it in place, so the reconciler's conditions,
+        // changed while we asked systemd, are not overwritten with an older copy.
+        report.update_quietly(|s| {
+            keelson_api::meta::set_condition(&mut s.conditions, condition::READY, ready, reason, message, keelson_api::meta::now());
+        });
+        let state = report.snapshot();
         let status = AgentStatus {
             phase: state.phase,
             observed_generation: state.observed_generation,

@@ -77,6 +77,12 @@ impl Report {
         self.changed.notify_one();
     }
 
+    /// Changes the report without waking the status sender (for the sender's own changes).
+    pub fn update_quietly(&self, f: impl FnOnce(&mut ReportState)) {
+        let mut s = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        f(&mut s);
+    }
+
     pub fn snapshot(&self) -> ReportState {
         self.inner.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }

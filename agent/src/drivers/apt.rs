@@ -10,6 +10,9 @@ use crate::plan::Pin;
 const UPDATE_TIMEOUT_SECS: u64 = 600;
 const INSTALL_TIMEOUT_SECS: u64 = 1800;
 const QUERY_TIMEOUT_SECS: u64 = 120;
+/// Wait for the dpkg lock instead of failing: after the agent is killed mid-install, the
+/// apt it started may still be finishing when the restarted agent resumes.
+const LOCK_WAIT: &str = "DPkg::Lock::Timeout=600";
 const ENV: &[(&str, &str)] = &[("DEBIAN_FRONTEND", "noninteractive"), ("APT_LISTCHANGES_FRONTEND", "none"), ("NEEDRESTART_MODE", "l")];
 
 #[derive(Debug, thiserror::Error)]
@@ -21,7 +24,7 @@ pub enum AptError {
 }
 
 pub async fn update() -> Result<(), AptError> {
-    run(&["apt-get", "update", "-q", "-o", "APT::Update::Error-Mode=any"], ENV, Duration::from_secs(UPDATE_TIMEOUT_SECS)).await?;
+    run(&["apt-get", "update", "-q", "-o", "APT::Update::Error-Mode=any", "-o", LOCK_WAIT], ENV, Duration::from_secs(UPDATE_TIMEOUT_SECS)).await?;
     Ok(())
 }
 
@@ -53,6 +56,8 @@ pub async fn install(pins: &[Pin]) -> Result<(), AptError> {
         "--no-install-recommends",
         "--allow-downgrades",
         "--allow-change-held-packages",
+        "-o",
+        LOCK_WAIT,
         "-o",
         "Dpkg::Options::=--force-confdef",
         "-o",
