@@ -77,6 +77,7 @@ fn observed_versions(spec: &MachineSpec) -> Versions {
         let name = rt.source.package.as_ref().map(|p| p.to_string()).unwrap_or_else(|| "containerd".into());
         v.container_runtime = o.packages.get(&name).map(|i| i.version.clone());
     }
+    v.kubelet = o.kubelet_version.clone();
     v
 }
 
@@ -173,10 +174,11 @@ async fn send_status(controller: Controller, report: Arc<Report>, spec: watch::R
         }
         let desired = spec.borrow().as_ref().map(|s| s.spec.clone()).unwrap_or_default();
         let degraded = find_condition(&report.snapshot().conditions, condition::DEGRADED).is_some_and(|c| c.status == ConditionStatus::True);
-        let runtime_ok = desired.container_runtime.is_none() || systemd::is_active("containerd").await;
+        let runtime_ok = (desired.container_runtime.is_none() || systemd::is_active("containerd").await)
+            && (desired.kubelet.is_none() || systemd::is_active("kubelet").await);
         let (ready, reason, message) = match (degraded, runtime_ok) {
             (true, _) => (ConditionStatus::False, "Degraded", "see the Degraded condition"),
-            (false, false) => (ConditionStatus::False, "RuntimeDown", "containerd is not active"),
+            (false, false) => (ConditionStatus::False, "ComponentDown", "containerd or the kubelet is not active"),
             (false, true) => (ConditionStatus::True, "Healthy", ""),
         };
         // Only Ready is the sender's: set it in place, so the reconciler's conditions,
@@ -214,6 +216,11 @@ async fn send_status(controller: Controller, report: Arc<Report>, spec: watch::R
     }
 }
 
+/// Whether the running executable was replaced on disk since it started.
+fn binary_replaced() -> bool {
+    std::fs::read_link("/proc/self/exe").is_ok_and(|p| p.to_string_lossy().ends_with(" (deleted)"))
+}
+
 async fn reconcile_loop(reconciler: Reconciler, mut spec: watch::Receiver<Option<AgentSpec>>, drift_every: Duration, cancel: CancellationToken) -> anyhow::Result<()> {
     // Nothing to do before the first spec arrives.
     loop {
@@ -237,6 +244,11 @@ async fn reconcile_loop(reconciler: Reconciler, mut spec: watch::Receiver<Option
                 return Ok(());
             }
             Outcome::Converged | Outcome::Degraded { .. } => {}
+        }
+        if binary_replaced() {
+            // A package upgrade replaced this binary (its postinst leaves the restart to us):
+            // exit non-zero between steps so systemd starts the new one, which resumes.
+            anyhow::bail!("keelson-agent was upgraded on disk; exiting so that systemd starts the new binary");
         }
         tokio::select! {
             r = spec.changed() => r?,

@@ -37,6 +37,8 @@ pub struct Observed {
     /// Current content of the files the spec manages (including the sources and runtime
     /// configuration), by absolute path; absent files are missing from the map.
     pub files: BTreeMap<String, FileState>,
+    /// What `kubelet --version` says, when the spec has a kubelet and one is installed.
+    pub kubelet_version: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -90,6 +92,10 @@ pub fn observe(root: &Path, spec: &MachineSpec) -> Result<Observed, ObserveError
     let mut paths: Vec<String> = spec.files.iter().map(|f| f.path.clone()).collect();
     paths.push(format!("/{SOURCES_FILE}"));
     paths.push(format!("/{CONTAINERD_CONFIG}"));
+    if spec.kubelet.is_some() {
+        paths.push(crate::drivers::kubelet::UNIT.to_owned());
+        paths.push(crate::drivers::kubelet::DROPIN.to_owned());
+    }
     let mut files = BTreeMap::new();
     for p in paths {
         use std::os::unix::fs::PermissionsExt;
@@ -105,6 +111,7 @@ pub fn observe(root: &Path, spec: &MachineSpec) -> Result<Observed, ObserveError
         reboot_required: at("run/reboot-required").exists(),
         boot_id: read("proc/sys/kernel/random/boot_id"),
         files,
+        kubelet_version: spec.kubelet.as_ref().and_then(|_| crate::drivers::kubelet::installed_version(root)),
     })
 }
 

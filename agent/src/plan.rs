@@ -20,8 +20,13 @@ pub enum Action {
     /// Hold pinned packages that are installed at the right version but not held.
     Hold { names: Vec<String> },
     /// Install the runtime package and/or write its configuration, restart it, check it.
-    Runtime { package: Option<Pin>, config: Option<String>, previous: Option<String> },
+    Runtime { name: String, package: Option<Pin>, config: Option<String>, previous: Option<String> },
     WriteFile { path: String, content: String, mode: u32, owner: Option<String> },
+    /// Download an artifact into the cache and check its digest (before any disruption).
+    FetchArtifact { url: String, sha256: String },
+    /// Install the kubelet binary from the cached artifact (when `artifact` is set) and/or its
+    /// unit and drop-in, restart it, check its health; roll back the binary if it is not healthy.
+    Kubelet { artifact: Option<String>, version: String, unit: Option<String>, dropin: Option<String> },
     /// Reboot, and after boot check that `expected_kernel` (when known) is running.
     Reboot { reason: String },
 }
@@ -103,8 +108,8 @@ fn file_differs(observed: &Observed, path: &str, content: &str, mode: u32) -> bo
 }
 
 pub fn plan(spec: &MachineSpec, observed: &Observed, ctx: &Context) -> Result<Vec<Step>, PlanError> {
-    if spec.kubelet.is_some() {
-        return Err(PlanError::Unsupported { field: "spec.kubelet", message: "this agent does not manage the kubelet yet".into() });
+    if spec.kubelet.as_ref().is_some_and(|k| k.source.url.is_none()) {
+        return Err(PlanError::Unsupported { field: "spec.kubelet.source", message: "this agent installs the kubelet from a url artifact only; packages come later".into() });
     }
     if spec.etcd.is_some() {
         return Err(PlanError::Unsupported { field: "spec.etcd", message: "this agent does not manage etcd members yet".into() });
@@ -159,9 +164,27 @@ pub fn plan(spec: &MachineSpec, observed: &Observed, ctx: &Context) -> Result<Ve
                 None => "configure containerd and restart it".into(),
             };
             let previous = installed.map(|i| i.version.clone());
-            steps.push(Step { description, disruptive: true, action: Action::Runtime { package, config, previous } });
+            steps.push(Step { description, disruptive: true, action: Action::Runtime { name, package, config, previous } });
         } else if unheld {
             steps.push(Step { description: format!("hold {name}"), disruptive: false, action: Action::Hold { names: vec![name] } });
+        }
+    }
+
+    if let Some(k) = &spec.kubelet {
+        use crate::drivers::kubelet::{DROPIN, UNIT, UNIT_CONTENT, dropin_content};
+        let systemd_cgroup = spec.container_runtime.as_ref().is_none_or(|r| r.config.systemd_cgroup);
+        let version = k.version.to_string();
+        let unit = file_differs(observed, UNIT, UNIT_CONTENT, 0o644).then(|| UNIT_CONTENT.to_owned());
+        let dropin_wanted = dropin_content(systemd_cgroup);
+        let dropin = file_differs(observed, DROPIN, &dropin_wanted, 0o644).then_some(dropin_wanted);
+        let binary_differs = observed.kubelet_version.as_deref() != Some(version.as_str());
+        let (url, sha256) = (k.source.url.as_ref().map(|u| u.to_string()).unwrap_or_default(), k.source.sha256.as_ref().map(|d| d.to_string()).unwrap_or_default());
+        if binary_differs {
+            steps.push(Step { description: format!("fetch kubelet {version}"), disruptive: false, action: Action::FetchArtifact { url, sha256: sha256.clone() } });
+        }
+        if binary_differs || unit.is_some() || dropin.is_some() {
+            let description = if binary_differs { format!("install kubelet {version} and restart it") } else { "configure the kubelet and restart it".to_owned() };
+            steps.push(Step { description, disruptive: true, action: Action::Kubelet { artifact: binary_differs.then_some(sha256), version, unit, dropin } });
         }
     }
 
@@ -218,9 +241,13 @@ pub fn apply_model(observed: &Observed, steps: &[Step]) -> Observed {
                     }
                 }
             }
-            Action::Runtime { package, config, .. } => {
+            Action::Runtime { name, package, config, .. } => {
                 if let Some(p) = package {
                     o.packages.insert(p.name.clone(), crate::observe::Installed { version: p.version.clone(), held: true });
+                }
+                // The step holds the runtime package whether or not it installed it.
+                if let Some(i) = o.packages.get_mut(name) {
+                    i.held = true;
                 }
                 if let Some(c) = config {
                     o.files.insert(format!("/{CONTAINERD_CONFIG}"), crate::observe::FileState { sha256: sha256_hex(c.as_bytes()), mode: 0o644 });
@@ -228,6 +255,15 @@ pub fn apply_model(observed: &Observed, steps: &[Step]) -> Observed {
             }
             Action::WriteFile { path, content, mode, .. } => {
                 o.files.insert(path.clone(), crate::observe::FileState { sha256: sha256_hex(content.as_bytes()), mode: *mode });
+            }
+            Action::FetchArtifact { .. } => {}
+            Action::Kubelet { version, unit, dropin, .. } => {
+                o.kubelet_version = Some(version.clone());
+                for (path, content) in [(crate::drivers::kubelet::UNIT, unit), (crate::drivers::kubelet::DROPIN, dropin)] {
+                    if let Some(c) = content {
+                        o.files.insert(path.to_owned(), crate::observe::FileState { sha256: sha256_hex(c.as_bytes()), mode: 0o644 });
+                    }
+                }
             }
             Action::Reboot { .. } => {
                 o.reboot_required = false;
@@ -308,7 +344,21 @@ mod tests {
     fn unsupported_parts_are_refused_not_ignored() {
         let s: MachineSpec = serde_json::from_value(serde_json::json!({"roles": ["worker"], "kubelet": {"version": "1.30.1", "source": {"package": "kubelet"}}}))
             .unwrap_or_else(|e| panic!("{e}"));
-        assert!(matches!(plan(&s, &machine(), &Context::default()), Err(PlanError::Unsupported { field: "spec.kubelet", .. })));
+        assert!(matches!(plan(&s, &machine(), &Context::default()), Err(PlanError::Unsupported { field: "spec.kubelet.source", .. })));
+    }
+
+    #[test]
+    fn a_kubelet_upgrade_fetches_before_it_disrupts() -> Result<(), PlanError> {
+        let s: MachineSpec = serde_json::from_value(serde_json::json!({"roles": ["worker"], "kubelet": {"version": "1.31.0", "source": {"url": "http://10.0.2.2/kubelet", "sha256": "a".repeat(64)}}}))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let mut o = machine();
+        o.kubelet_version = Some("v1.30.4".into());
+        let steps = plan(&s, &o, &Context::default())?;
+        let shape: Vec<(bool, &str)> = steps.iter().map(|s| (s.disruptive, s.description.as_str())).collect();
+        assert_eq!(shape, vec![(false, "fetch kubelet v1.31.0"), (true, "install kubelet v1.31.0 and restart it")]);
+        let again = plan(&s, &apply_model(&o, &steps), &Context::default())?;
+        assert!(again.is_empty(), "{again:?}");
+        Ok(())
     }
 
     fn arb_version() -> impl Strategy<Value = String> {
@@ -318,16 +368,22 @@ mod tests {
     fn arb_observed() -> impl Strategy<Value = Observed> {
         (
             proptest::collection::btree_map("[a-d]", (arb_version(), any::<bool>()), 0..4),
+            proptest::option::of((arb_version(), any::<bool>())),
             any::<bool>(),
             proptest::collection::btree_map("/etc/f[0-3]", ("[a-c]{0,3}", prop_oneof![Just(0o644u32), Just(0o600)]), 0..3),
         )
-            .prop_map(|(pkgs, reboot_required, files)| Observed {
-                packages: pkgs.into_iter().map(|(n, (v, held))| (format!("pkg-{n}"), Installed { version: v, held })).collect(),
+            .prop_map(|(pkgs, runtime, reboot_required, files)| Observed {
+                packages: pkgs
+                    .into_iter()
+                    .map(|(n, (v, held))| (format!("pkg-{n}"), Installed { version: v, held }))
+                    .chain(runtime.map(|(v, held)| ("containerd".to_owned(), Installed { version: v, held })))
+                    .collect(),
                 running_kernel: "k1".into(),
                 boot_kernel: Some("k1".into()),
                 reboot_required,
                 boot_id: "b".into(),
                 files: files.into_iter().map(|(p, (c, m))| (p, FileState { sha256: sha256_hex(c.as_bytes()), mode: m })).collect(),
+                kubelet_version: None,
             })
     }
 

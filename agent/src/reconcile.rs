@@ -29,7 +29,7 @@ use keelson_api::wire::Event;
 use tokio_util::sync::CancellationToken;
 
 use crate::client::{Controller, LeaseAnswer};
-use crate::drivers::{apt, containerd, files, systemd};
+use crate::drivers::{apt, artifact, containerd, files, kubelet, systemd};
 use crate::journal::{Journal, RebootRecord};
 use crate::observe::{self, CONTAINERD_CONFIG, SOURCES_FILE};
 use crate::plan::{self, Action, Context, Step};
@@ -374,8 +374,18 @@ impl Reconciler {
                 apt::hold(hold).await?;
             }
             Action::Hold { names } => apt::hold(names).await?,
-            Action::Runtime { package, config, previous } => self.runtime_step(package.as_ref(), config.as_deref(), previous.as_deref()).await?,
+            Action::Runtime { name, package, config, previous } => self.runtime_step(name, package.as_ref(), config.as_deref(), previous.as_deref()).await?,
             Action::WriteFile { path, content, mode, owner } => files::write(path, content, *mode, owner.as_deref()).map_err(transient)?,
+            Action::FetchArtifact { url, sha256 } => {
+                let url: url::Url = url.parse().map_err(|e| StepError::Permanent(format!("artifact url {url:?}: {e}")))?;
+                let ca = std::fs::read_to_string(self.state_dir.join(crate::state::CA_FILE)).ok();
+                match artifact::fetch(&self.state_dir, &url, sha256, ca.as_deref()).await {
+                    Ok(_) => {}
+                    Err(e @ artifact::ArtifactError::Mismatch { .. }) => return Err(StepError::Permanent(e.to_string())),
+                    Err(e) => return Err(transient(e)),
+                }
+            }
+            Action::Kubelet { artifact: digest, version, unit, dropin } => self.kubelet_step(digest.as_deref(), version, unit.as_deref(), dropin.as_deref()).await?,
             Action::Reboot { reason } => {
                 let observed = observe::observe(&Self::root(), &MachineSpec::default()).map_err(transient)?;
                 journal.reboot = Some(RebootRecord { boot_id_before: observed.boot_id.clone(), expected_kernel: observed.boot_kernel.clone() });
@@ -389,13 +399,14 @@ impl Reconciler {
         Ok(StepDone::Done)
     }
 
-    async fn runtime_step(&self, package: Option<&plan::Pin>, config: Option<&str>, previous: Option<&str>) -> Result<(), StepError> {
+    async fn runtime_step(&self, name: &str, package: Option<&plan::Pin>, config: Option<&str>, previous: Option<&str>) -> Result<(), StepError> {
         if let Some(p) = package {
             apt::update().await?;
             apt::ensure_available(std::slice::from_ref(p)).await?;
             apt::install(std::slice::from_ref(p)).await?;
-            apt::hold(std::slice::from_ref(&p.name)).await?;
         }
+        // Held, so that nothing but keelson moves it.
+        apt::hold(&[name.to_owned()]).await?;
         if let Some(c) = config {
             files::write(&format!("/{CONTAINERD_CONFIG}"), c, 0o644, None).map_err(transient)?;
         }
@@ -423,6 +434,45 @@ impl Reconciler {
                 };
                 Err(StepError::Permanent(format!("containerd {} failed its health check ({health}); {what}", p.version)))
             }
+        }
+    }
+
+    async fn kubelet_step(&self, digest: Option<&str>, version: &str, unit: Option<&str>, dropin: Option<&str>) -> Result<(), StepError> {
+        if let Some(u) = unit {
+            files::write(kubelet::UNIT, u, 0o644, None).map_err(transient)?;
+        }
+        if let Some(d) = dropin {
+            files::write(kubelet::DROPIN, d, 0o644, None).map_err(transient)?;
+        }
+        let previous = kubelet::installed_version(std::path::Path::new("/"));
+        if let Some(sha) = digest {
+            let cached = artifact::cached(&self.state_dir, sha);
+            if !cached.exists() {
+                return Err(transient(format!("artifact {sha} is not in the cache (fetch it first)")));
+            }
+            kubelet::install_binary(&cached).map_err(|e| transient(format!("installing {}: {e}", kubelet::BINARY)))?;
+        }
+        kubelet::restart().await.map_err(transient)?;
+        // The digest pins the bytes; the version the spec names must be what they are.
+        let installed = kubelet::installed_version(std::path::Path::new("/"));
+        let check = match installed.as_deref() {
+            Some(v) if v == version => kubelet::healthy().await,
+            other => Err(format!("the installed binary reports {}, not {version}", other.unwrap_or("no version"))),
+        };
+        match check {
+            Ok(()) => Ok(()),
+            Err(health) if digest.is_some() => {
+                let what = match kubelet::restore_previous() {
+                    Ok(true) => match kubelet::restart().await {
+                        Ok(()) => format!("rolled back to the previous binary ({})", previous.unwrap_or_else(|| "unknown version".into())),
+                        Err(e) => format!("restored the previous binary but could not restart it: {e}"),
+                    },
+                    Ok(false) => "there was no previous binary to roll back to".into(),
+                    Err(e) => format!("rolling back failed: {e}"),
+                };
+                Err(StepError::Permanent(format!("kubelet {version} failed its check ({health}); {what}")))
+            }
+            Err(health) => Err(transient(format!("kubelet failed its health check: {health}"))),
         }
     }
 

@@ -13,7 +13,9 @@ const QUERY_TIMEOUT_SECS: u64 = 120;
 /// Wait for the dpkg lock instead of failing: after the agent is killed mid-install, the
 /// apt it started may still be finishing when the restarted agent resumes.
 const LOCK_WAIT: &str = "DPkg::Lock::Timeout=600";
-const ENV: &[(&str, &str)] = &[("DEBIAN_FRONTEND", "noninteractive"), ("APT_LISTCHANGES_FRONTEND", "none"), ("NEEDRESTART_MODE", "l")];
+/// KEELSON_AGENT_APT tells keelson-agent's own maintainer scripts that the agent started this
+/// run, so they must not restart it mid-step (it restarts itself afterwards).
+const ENV: &[(&str, &str)] = &[("DEBIAN_FRONTEND", "noninteractive"), ("APT_LISTCHANGES_FRONTEND", "none"), ("NEEDRESTART_MODE", "l"), ("KEELSON_AGENT_APT", "1")];
 
 #[derive(Debug, thiserror::Error)]
 pub enum AptError {

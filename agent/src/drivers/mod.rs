@@ -2,7 +2,9 @@
 //! module, run as argv (never through a shell) with a timeout, its stderr kept for the error.
 
 pub mod apt;
+pub mod artifact;
 pub mod command;
 pub mod containerd;
 pub mod files;
+pub mod kubelet;
 pub mod systemd;
