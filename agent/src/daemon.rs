@@ -20,6 +20,8 @@ use crate::reconcile::{Outcome, Reconciler, Report};
 use crate::state::CERT_FILE;
 
 const LONG_POLL_SECS: u64 = 60;
+/// Rotate the machine certificate when less than this much of its life is left.
+const ROTATE_WHEN_LEFT_SECS: i64 = 10 * 24 * 3600;
 const BACKOFF_MAX_SECS: u64 = 60;
 
 /// Exponential backoff with jitter, so a fleet does not retry in step.
@@ -91,8 +93,9 @@ pub async fn run(config: AgentConfig, cancel: CancellationToken) -> anyhow::Resu
     let mut tasks: JoinSet<anyhow::Result<()>> = JoinSet::new();
     tasks.spawn(poll_spec(controller.clone(), spec_tx, cancel.clone()));
     tasks.spawn(send_status(controller.clone(), report.clone(), spec_rx.clone(), config.heartbeat_interval, cancel.clone()));
+    let rotation = Rotation { state_dir: config.state_dir.clone(), controller: controller.clone(), name: identity_name(&config)? };
     let reconciler = Reconciler { state_dir: config.state_dir.clone(), controller, lease_ttl: config.lease_ttl, report: report.clone(), cancel: cancel.clone() };
-    tasks.spawn(reconcile_loop(reconciler, spec_rx, config.drift_interval, cancel.clone()));
+    tasks.spawn(reconcile_loop(reconciler, rotation, spec_rx, config.drift_interval, cancel.clone()));
     tasks.spawn(watchdog(cancel.clone()));
     notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status("waiting for the spec")]);
 
@@ -221,7 +224,43 @@ fn binary_replaced() -> bool {
     std::fs::read_link("/proc/self/exe").is_ok_and(|p| p.to_string_lossy().ends_with(" (deleted)"))
 }
 
-async fn reconcile_loop(reconciler: Reconciler, mut spec: watch::Receiver<Option<AgentSpec>>, drift_every: Duration, cancel: CancellationToken) -> anyhow::Result<()> {
+/// The machine's name, as enrolled.
+fn identity_name(config: &AgentConfig) -> anyhow::Result<keelson_api::meta::Name> {
+    let path = config.state_dir.join(crate::state::IDENTITY_FILE);
+    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let record: crate::enroll::IdentityRecord = serde_json::from_str(&text).with_context(|| format!("reading {}", path.display()))?;
+    Ok(record.name)
+}
+
+#[derive(Debug)]
+struct Rotation {
+    state_dir: std::path::PathBuf,
+    controller: Controller,
+    name: keelson_api::meta::Name,
+}
+
+impl Rotation {
+    /// Rotates the certificate when it is due. Returns whether it did: the process then exits
+    /// between steps so that systemd starts it again on the new identity.
+    async fn rotate_if_due(&self) -> bool {
+        let Ok(expiry) = crate::enroll::certificate_expiry(&self.state_dir) else { return false };
+        if expiry - keelson_api::meta::now() > time::Duration::seconds(ROTATE_WHEN_LEFT_SECS) {
+            return false;
+        }
+        match crate::enroll::rotate(&self.state_dir, &self.controller, &self.name).await {
+            Ok(()) => {
+                tracing::info!("rotated the machine certificate");
+                true
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "certificate rotation failed; trying again later");
+                false
+            }
+        }
+    }
+}
+
+async fn reconcile_loop(reconciler: Reconciler, rotation: Rotation, mut spec: watch::Receiver<Option<AgentSpec>>, drift_every: Duration, cancel: CancellationToken) -> anyhow::Result<()> {
     // Nothing to do before the first spec arrives.
     loop {
         if spec.borrow().is_some() {
@@ -244,6 +283,9 @@ async fn reconcile_loop(reconciler: Reconciler, mut spec: watch::Receiver<Option
                 return Ok(());
             }
             Outcome::Converged | Outcome::Degraded { .. } => {}
+        }
+        if rotation.rotate_if_due().await {
+            anyhow::bail!("rotated the machine certificate; exiting so that systemd starts the agent on it");
         }
         if binary_replaced() {
             // A package upgrade replaced this binary (its postinst leaves the restart to us):

@@ -103,3 +103,27 @@ fn save(dir: &Path, key: &KeyPair, answer: &EnrollResponse, server: &str) -> Res
     state::write_atomic(&dir.join(IDENTITY_FILE), &json, 0o644)?;
     Ok(())
 }
+
+/// When the machine certificate in `state_dir` expires, from its notAfter.
+pub fn certificate_expiry(state_dir: &Path) -> Result<time::OffsetDateTime, EnrollError> {
+    let path = state_dir.join(CERT_FILE);
+    let pem = std::fs::read(&path).map_err(|source| EnrollError::Read { path: path.clone(), source })?;
+    let (_, parsed) = x509_parser::pem::parse_x509_pem(&pem).map_err(|e| EnrollError::Invalid(format!("{}: {e}", path.display())))?;
+    let cert = parsed.parse_x509().map_err(|e| EnrollError::Invalid(format!("{}: {e}", path.display())))?;
+    time::OffsetDateTime::from_unix_timestamp(cert.validity().not_after.timestamp()).map_err(|e| EnrollError::Invalid(e.to_string()))
+}
+
+/// Replaces the machine's key and certificate with new ones signed by the controller (the
+/// current certificate authenticates the request). The new key, like the first, never leaves
+/// the machine.
+pub async fn rotate(state_dir: &Path, controller: &crate::client::Controller, name: &Name) -> Result<(), EnrollError> {
+    let (key, csr) = make_key_and_csr(name)?;
+    let answer = controller.rotate_certificate(&csr).await.map_err(|e| EnrollError::Transport { server: "controller".into(), message: e.to_string() })?;
+    // Key first, then certificate: a crash in between leaves a pair the controller still
+    // accepts (the old certificate stays valid until the new one is used) or a new key with
+    // an old certificate, which the next start detects as unusable and reports.
+    state::write_atomic(&state_dir.join(KEY_FILE), key.serialize_pem().as_bytes(), 0o600)?;
+    state::write_atomic(&state_dir.join(CERT_FILE), answer.certificate.as_bytes(), 0o644)?;
+    state::write_atomic(&state_dir.join(CA_FILE), answer.ca_bundle.as_bytes(), 0o644)?;
+    Ok(())
+}

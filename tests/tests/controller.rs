@@ -459,3 +459,32 @@ async fn metrics_count_requests_and_machines_by_condition() -> R {
     assert_eq!(c.anonymous()?.get("/metrics").await?.status, 401);
     Ok(())
 }
+
+#[tokio::test]
+async fn agents_rotate_their_certificates_and_old_ones_stop_working() -> R {
+    let dir = tmp();
+    let c = Controller::start(dir.path(), &[])?;
+    let token = c.token(&[])?;
+    let state = tmp();
+    let first = c.enroll("m1", &token, state.path())?;
+    let key_before = std::fs::read_to_string(state.path().join("machine.key"))?;
+    let name: keelson_api::meta::Name = "m1".parse()?;
+    let expiry = keelson_agent::enroll::certificate_expiry(state.path())?;
+    let days = (expiry - time::OffsetDateTime::now_utc()).whole_days();
+    assert!((29..=30).contains(&days), "machine certificates last 30 days, got {days}");
+    let controller = keelson_agent::client::Controller::from_state(state.path(), std::slice::from_ref(&c.url))?;
+    keelson_agent::enroll::rotate(state.path(), &controller, &name).await?;
+    assert_ne!(std::fs::read_to_string(state.path().join("machine.key"))?, key_before, "a new key, made on the machine");
+    let cert = std::fs::read_to_string(state.path().join("machine.crt"))?;
+    let key = std::fs::read_to_string(state.path().join("machine.key"))?;
+    let second = ApiClient::new(&c.url, &c.ca_pem()?, Some((&cert, &key)))?;
+    assert_eq!(second.get("/v1/agent/spec?timeoutSeconds=1").await?.status, 200, "the new identity works");
+    assert_eq!(first.get("/v1/agent/spec?timeoutSeconds=1").await?.status, 200, "the old one too, until the switch is done");
+    // Rotating again with the second certificate retires the first.
+    let controller = keelson_agent::client::Controller::from_state(state.path(), std::slice::from_ref(&c.url))?;
+    keelson_agent::enroll::rotate(state.path(), &controller, &name).await?;
+    assert_eq!(first.get("/v1/agent/spec?timeoutSeconds=1").await?.status, 403, "two rotations back is revoked");
+    let events = c.admin()?.get("/v1/machines/m1/events").await?;
+    assert!(events.text.contains("CertificateRotated"), "{}", events.text);
+    Ok(())
+}
