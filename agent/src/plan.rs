@@ -13,8 +13,8 @@ use crate::observe::{CONTAINERD_CONFIG, Observed, SOURCES_FILE, sha256_hex};
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", tag = "kind")]
 pub enum Action {
-    /// Write the managed apt sources and refresh the package lists.
-    Repositories { content: String },
+    /// Write the managed apt sources (or remove them, `None`) and refresh the package lists.
+    Repositories { content: Option<String> },
     /// Install exact versions (after checking the repositories have them all), then hold.
     Packages { install: Vec<Pin>, hold: Vec<String> },
     /// Hold pinned packages that are installed at the right version but not held.
@@ -123,10 +123,17 @@ pub fn plan(spec: &MachineSpec, observed: &Observed, ctx: &Context) -> Result<Ve
     let mut steps = Vec::new();
     let mut kernel_changes = false;
 
-    if let Some(content) = render_sources(spec)
-        && file_differs(observed, &format!("/{SOURCES_FILE}"), &content, 0o644) {
-            steps.push(Step { description: "write apt sources and update".into(), disruptive: false, action: Action::Repositories { content } });
+    let sources_path = format!("/{SOURCES_FILE}");
+    match render_sources(spec) {
+        Some(content) if file_differs(observed, &sources_path, &content, 0o644) => {
+            steps.push(Step { description: "write apt sources and update".into(), disruptive: false, action: Action::Repositories { content: Some(content) } });
         }
+        // Repositories the spec no longer names must stop being sources.
+        None if observed.files.contains_key(&sources_path) => {
+            steps.push(Step { description: "remove keelson's apt sources and update".into(), disruptive: false, action: Action::Repositories { content: None } });
+        }
+        _ => {}
+    }
 
     if let Some(os) = &spec.os {
         let install: Vec<Pin> = os
@@ -221,8 +228,11 @@ pub fn apply_model(observed: &Observed, steps: &[Step]) -> Observed {
     let mut o = observed.clone();
     for s in steps {
         match &s.action {
-            Action::Repositories { content } => {
+            Action::Repositories { content: Some(content) } => {
                 o.files.insert(format!("/{SOURCES_FILE}"), crate::observe::FileState { sha256: sha256_hex(content.as_bytes()), mode: 0o644 });
+            }
+            Action::Repositories { content: None } => {
+                o.files.remove(&format!("/{SOURCES_FILE}"));
             }
             Action::Packages { install, hold } => {
                 for p in install {
@@ -328,6 +338,16 @@ mod tests {
         assert!(matches!(steps[1].action, Action::Reboot { .. }));
         let never = spec(vec![pin("linux-image-amd64", "6.1.192-3")], None, vec![], RebootPolicy::Never);
         assert_eq!(plan(&never, &machine(), &Context::default())?.len(), 1);
+        Ok(())
+    }
+
+    #[test]
+    fn dropped_repositories_are_removed() -> Result<(), PlanError> {
+        let mut o = machine();
+        o.files.insert(format!("/{SOURCES_FILE}"), FileState { sha256: sha256_hex(b"old"), mode: 0o644 });
+        let steps = plan(&MachineSpec::default(), &o, &Context::default())?;
+        assert_eq!(steps.iter().map(|s| s.action.clone()).collect::<Vec<_>>(), vec![Action::Repositories { content: None }]);
+        assert!(plan(&MachineSpec::default(), &apply_model(&o, &steps), &Context::default())?.is_empty());
         Ok(())
     }
 

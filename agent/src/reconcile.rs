@@ -373,7 +373,14 @@ impl Reconciler {
     async fn run_step(&self, journal: &mut Journal, step: &Step) -> Result<StepDone, StepError> {
         match &step.action {
             Action::Repositories { content } => {
-                files::write(&format!("/{SOURCES_FILE}"), content, 0o644, None).map_err(transient)?;
+                let path = format!("/{SOURCES_FILE}");
+                match content {
+                    Some(c) => files::write(&path, c, 0o644, None).map_err(transient)?,
+                    None => match std::fs::remove_file(&path) {
+                        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(transient(format!("removing {path}: {e}"))),
+                        _ => {}
+                    },
+                }
                 apt::update().await?;
             }
             Action::Packages { install, hold } => {
