@@ -236,14 +236,12 @@ impl Reconciler {
             self.set_phase(Phase::Converging, generation);
             self.report.update(|s| s.current_step = Some(CurrentStep { index: index as u32 + 1, total, description: step.description.clone() }));
             // Resuming with a lease from before a restart: it may have expired meanwhile.
-            if step.disruptive && journal.reboot.is_none() {
-                if let Some(id) = journal.lease.clone() {
-                    if let Err(e) = self.controller.renew_lease(&id, self.lease_ttl).await {
+            if step.disruptive && journal.reboot.is_none()
+                && let Some(id) = journal.lease.clone()
+                    && let Err(e) = self.controller.renew_lease(&id, self.lease_ttl).await {
                         tracing::info!(lease = %id, error = %e, "the lease from before the restart is gone; asking again");
                         journal.lease = None;
                     }
-                }
-            }
             if step.disruptive && journal.lease.is_none() {
                 let ttl = if matches!(step.action, Action::Reboot { .. }) { Duration::from_secs(REBOOT_LEASE_TTL_SECS) } else { self.lease_ttl };
                 match self.acquire_lease(&step.description, ttl).await {
