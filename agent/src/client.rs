@@ -61,10 +61,12 @@ impl Controller {
     /// A client holding the machine identity kept in `state_dir`.
     pub fn from_state(state_dir: &Path, servers: &[String]) -> Result<Self, ClientError> {
         let read = |f: &str| {
-            std::fs::read_to_string(state_dir.join(f)).map_err(|e| ClientError::Identity { dir: state_dir.display().to_string(), message: format!("{f}: {e}") })
+            std::fs::read_to_string(state_dir.join(f))
+                .map_err(|e| ClientError::Identity { dir: state_dir.display().to_string(), message: format!("{f}: {e}") })
         };
         let (ca, cert, key) = (read(CA_FILE)?, read(CERT_FILE)?, read(KEY_FILE)?);
-        let tls = keelson_api::tls::client_config(&ca, Some((&cert, &key))).map_err(|e| ClientError::Identity { dir: state_dir.display().to_string(), message: e.to_string() })?;
+        let tls = keelson_api::tls::client_config(&ca, Some((&cert, &key)))
+            .map_err(|e| ClientError::Identity { dir: state_dir.display().to_string(), message: e.to_string() })?;
         let http = reqwest::Client::builder()
             .use_preconfigured_tls(tls)
             .connect_timeout(Duration::from_secs(CONNECT_TIMEOUT_SECS))
@@ -73,7 +75,13 @@ impl Controller {
         Ok(Controller { http, servers: servers.to_vec() })
     }
 
-    async fn send(&self, method: Method, path: &str, body: Option<serde_json::Value>, timeout: Duration) -> Result<(StatusCode, bytes::Bytes), ClientError> {
+    async fn send(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<serde_json::Value>,
+        timeout: Duration,
+    ) -> Result<(StatusCode, bytes::Bytes), ClientError> {
         let mut last = None;
         for server in &self.servers {
             let mut r = self.http.request(method.clone(), format!("{}{}", server.trim_end_matches('/'), path)).timeout(timeout);
@@ -92,7 +100,13 @@ impl Controller {
         Err(ClientError::Unreachable(last.unwrap_or_else(|| "no server configured".into())))
     }
 
-    async fn call<T: DeserializeOwned>(&self, method: Method, path: &str, body: Option<serde_json::Value>, timeout: Duration) -> Result<Option<T>, ClientError> {
+    async fn call<T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<serde_json::Value>,
+        timeout: Duration,
+    ) -> Result<Option<T>, ClientError> {
         let (status, bytes) = self.send(method, path, body, timeout).await?;
         if !status.is_success() {
             return Err(refused(status, &bytes));
@@ -106,24 +120,33 @@ impl Controller {
     /// Waits up to `wait` for a generation newer than `after`.
     pub async fn spec(&self, after: u64, wait: Duration) -> Result<AgentSpec, ClientError> {
         let path = format!("/v1/agent/spec?after={after}&timeoutSeconds={}", wait.as_secs().max(1));
-        self.call(Method::GET, &path, None, wait + Duration::from_secs(REQUEST_TIMEOUT_SECS)).await?.ok_or_else(|| ClientError::Protocol("empty spec answer".into()))
+        self.call(Method::GET, &path, None, wait + Duration::from_secs(REQUEST_TIMEOUT_SECS))
+            .await?
+            .ok_or_else(|| ClientError::Protocol("empty spec answer".into()))
     }
 
     pub async fn status(&self, status: &AgentStatus) -> Result<(), ClientError> {
         let body = serde_json::to_value(status).map_err(|e| ClientError::Protocol(e.to_string()))?;
-        self.call::<serde_json::Value>(Method::PUT, "/v1/agent/status", Some(body), Duration::from_secs(REQUEST_TIMEOUT_SECS)).await.map(|_| ())
+        self.call::<serde_json::Value>(Method::PUT, "/v1/agent/status", Some(body), Duration::from_secs(REQUEST_TIMEOUT_SECS))
+            .await
+            .map(|_| ())
     }
 
     pub async fn events(&self, events: Vec<Event>) -> Result<(), ClientError> {
         let body = serde_json::to_value(AgentEvents { events }).map_err(|e| ClientError::Protocol(e.to_string()))?;
-        self.call::<serde_json::Value>(Method::POST, "/v1/agent/events", Some(body), Duration::from_secs(REQUEST_TIMEOUT_SECS)).await.map(|_| ())
+        self.call::<serde_json::Value>(Method::POST, "/v1/agent/events", Some(body), Duration::from_secs(REQUEST_TIMEOUT_SECS))
+            .await
+            .map(|_| ())
     }
 
     pub async fn acquire_lease(&self, reason: &str, ttl: Duration) -> Result<LeaseAnswer, ClientError> {
         let body = serde_json::json!({"reason": reason, "ttlSeconds": ttl.as_secs()});
-        let (status, bytes) = self.send(Method::POST, "/v1/agent/disruptions", Some(body), Duration::from_secs(REQUEST_TIMEOUT_SECS)).await?;
+        let (status, bytes) =
+            self.send(Method::POST, "/v1/agent/disruptions", Some(body), Duration::from_secs(REQUEST_TIMEOUT_SECS)).await?;
         match status {
-            StatusCode::CREATED | StatusCode::OK => serde_json::from_slice(&bytes).map(LeaseAnswer::Granted).map_err(|e| ClientError::Protocol(e.to_string())),
+            StatusCode::CREATED | StatusCode::OK => {
+                serde_json::from_slice(&bytes).map(LeaseAnswer::Granted).map_err(|e| ClientError::Protocol(e.to_string()))
+            }
             StatusCode::TOO_MANY_REQUESTS => {
                 let message = serde_json::from_slice::<ErrorBody>(&bytes).map(|e| e.message).unwrap_or_default();
                 Ok(LeaseAnswer::Wait(message))
@@ -134,22 +157,40 @@ impl Controller {
 
     pub async fn renew_lease(&self, id: &str, ttl: Duration) -> Result<(), ClientError> {
         let body = serde_json::json!({"ttlSeconds": ttl.as_secs()});
-        self.call::<serde_json::Value>(Method::PUT, &format!("/v1/agent/disruptions/{id}"), Some(body), Duration::from_secs(REQUEST_TIMEOUT_SECS)).await.map(|_| ())
+        self.call::<serde_json::Value>(
+            Method::PUT,
+            &format!("/v1/agent/disruptions/{id}"),
+            Some(body),
+            Duration::from_secs(REQUEST_TIMEOUT_SECS),
+        )
+        .await
+        .map(|_| ())
     }
 
     pub async fn release_lease(&self, id: &str) -> Result<(), ClientError> {
-        self.call::<serde_json::Value>(Method::DELETE, &format!("/v1/agent/disruptions/{id}"), None, Duration::from_secs(REQUEST_TIMEOUT_SECS)).await.map(|_| ())
+        self.call::<serde_json::Value>(
+            Method::DELETE,
+            &format!("/v1/agent/disruptions/{id}"),
+            None,
+            Duration::from_secs(REQUEST_TIMEOUT_SECS),
+        )
+        .await
+        .map(|_| ())
     }
 
     pub async fn rotate_certificate(&self, csr: &str) -> Result<EnrollResponse, ClientError> {
         let body = serde_json::json!({"csr": csr});
-        self.call(Method::POST, "/v1/agent/certificate", Some(body), Duration::from_secs(REQUEST_TIMEOUT_SECS)).await?.ok_or_else(|| ClientError::Protocol("empty answer".into()))
+        self.call(Method::POST, "/v1/agent/certificate", Some(body), Duration::from_secs(REQUEST_TIMEOUT_SECS))
+            .await?
+            .ok_or_else(|| ClientError::Protocol("empty answer".into()))
     }
 }
 
 fn refused(status: StatusCode, body: &[u8]) -> ClientError {
     match serde_json::from_slice::<ErrorBody>(body) {
         Ok(e) => ClientError::Refused { status: status.as_u16(), reason: e.reason, message: e.message },
-        Err(_) => ClientError::Refused { status: status.as_u16(), reason: "Unknown".into(), message: String::from_utf8_lossy(body).into_owned() },
+        Err(_) => {
+            ClientError::Refused { status: status.as_u16(), reason: "Unknown".into(), message: String::from_utf8_lossy(body).into_owned() }
+        }
     }
 }

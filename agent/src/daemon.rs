@@ -44,7 +44,13 @@ async fn ensure_enrolled(config: &AgentConfig, cancel: &CancellationToken) -> an
     let mut attempt = 0;
     loop {
         for server in &config.servers {
-            let opts = EnrollOptions { server: server.clone(), ca_file: config.ca_file.clone(), token: token.clone(), name: name.clone(), state_dir: config.state_dir.clone() };
+            let opts = EnrollOptions {
+                server: server.clone(),
+                ca_file: config.ca_file.clone(),
+                token: token.clone(),
+                name: name.clone(),
+                state_dir: config.state_dir.clone(),
+            };
             match enroll(&opts).await {
                 Ok(answer) => {
                     tracing::info!(name = %answer.name, %server, "enrolled");
@@ -94,7 +100,13 @@ pub async fn run(config: AgentConfig, cancel: CancellationToken) -> anyhow::Resu
     tasks.spawn(poll_spec(controller.clone(), spec_tx, cancel.clone()));
     tasks.spawn(send_status(controller.clone(), report.clone(), spec_rx.clone(), config.heartbeat_interval, cancel.clone()));
     let rotation = Rotation { state_dir: config.state_dir.clone(), controller: controller.clone(), name: identity_name(&config)? };
-    let reconciler = Reconciler { state_dir: config.state_dir.clone(), controller, lease_ttl: config.lease_ttl, report: report.clone(), cancel: cancel.clone() };
+    let reconciler = Reconciler {
+        state_dir: config.state_dir.clone(),
+        controller,
+        lease_ttl: config.lease_ttl,
+        report: report.clone(),
+        cancel: cancel.clone(),
+    };
     tasks.spawn(reconcile_loop(reconciler, rotation, spec_rx, config.drift_interval, cancel.clone()));
     tasks.spawn(watchdog(cancel.clone()));
     notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status("waiting for the spec")]);
@@ -102,9 +114,10 @@ pub async fn run(config: AgentConfig, cancel: CancellationToken) -> anyhow::Resu
     let mut result = Ok(());
     while let Some(joined) = tasks.join_next().await {
         if let Err(e) = joined.map_err(anyhow::Error::from).and_then(|r| r)
-            && result.is_ok() {
-                result = Err(e);
-            }
+            && result.is_ok()
+        {
+            result = Err(e);
+        }
         cancel.cancel();
     }
     notify(&[sd_notify::NotifyState::Stopping]);
@@ -166,7 +179,13 @@ async fn poll_spec(controller: Controller, tx: watch::Sender<Option<AgentSpec>>,
     }
 }
 
-async fn send_status(controller: Controller, report: Arc<Report>, spec: watch::Receiver<Option<AgentSpec>>, every: Duration, cancel: CancellationToken) -> anyhow::Result<()> {
+async fn send_status(
+    controller: Controller,
+    report: Arc<Report>,
+    spec: watch::Receiver<Option<AgentSpec>>,
+    every: Duration,
+    cancel: CancellationToken,
+) -> anyhow::Result<()> {
     let facts = crate::facts::collect();
     let mut first = true;
     loop {
@@ -176,7 +195,8 @@ async fn send_status(controller: Controller, report: Arc<Report>, spec: watch::R
             _ = cancel.cancelled() => return Ok(()),
         }
         let desired = spec.borrow().as_ref().map(|s| s.spec.clone()).unwrap_or_default();
-        let degraded = find_condition(&report.snapshot().conditions, condition::DEGRADED).is_some_and(|c| c.status == ConditionStatus::True);
+        let degraded =
+            find_condition(&report.snapshot().conditions, condition::DEGRADED).is_some_and(|c| c.status == ConditionStatus::True);
         let runtime_ok = (desired.container_runtime.is_none() || systemd::is_active("containerd").await)
             && (desired.kubelet.is_none() || systemd::is_active("kubelet").await);
         let (ready, reason, message) = match (degraded, runtime_ok) {
@@ -208,14 +228,15 @@ async fn send_status(controller: Controller, report: Arc<Report>, spec: watch::R
         }
         let events = report.take_events();
         if !events.is_empty()
-            && let Err(e) = controller.events(events.clone()).await {
-                tracing::warn!(error = %e, "could not send events; keeping them");
-                report.update(|s| {
-                    let mut kept = events;
-                    kept.append(&mut s.events);
-                    s.events = kept;
-                });
-            }
+            && let Err(e) = controller.events(events.clone()).await
+        {
+            tracing::warn!(error = %e, "could not send events; keeping them");
+            report.update(|s| {
+                let mut kept = events;
+                kept.append(&mut s.events);
+                s.events = kept;
+            });
+        }
     }
 }
 
@@ -260,7 +281,13 @@ impl Rotation {
     }
 }
 
-async fn reconcile_loop(reconciler: Reconciler, rotation: Rotation, mut spec: watch::Receiver<Option<AgentSpec>>, drift_every: Duration, cancel: CancellationToken) -> anyhow::Result<()> {
+async fn reconcile_loop(
+    reconciler: Reconciler,
+    rotation: Rotation,
+    mut spec: watch::Receiver<Option<AgentSpec>>,
+    drift_every: Duration,
+    cancel: CancellationToken,
+) -> anyhow::Result<()> {
     // Nothing to do before the first spec arrives.
     loop {
         if spec.borrow().is_some() {

@@ -48,10 +48,13 @@ pub struct IdentityRecord {
 
 /// The machine name when none is given: the host name, if it is a valid name.
 pub fn default_name() -> Result<Name, EnrollError> {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map_err(|source| EnrollError::Read { path: "/proc/sys/kernel/hostname".into(), source })?;
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map_err(|source| EnrollError::Read { path: "/proc/sys/kernel/hostname".into(), source })?;
     let host = host.trim();
     let short = host.split('.').next().unwrap_or(host).to_ascii_lowercase();
-    short.parse().map_err(|e: keelson_api::meta::NameError| EnrollError::Invalid(format!("the host name cannot be the machine name ({e}); pass --name")))
+    short.parse().map_err(|e: keelson_api::meta::NameError| {
+        EnrollError::Invalid(format!("the host name cannot be the machine name ({e}); pass --name"))
+    })
 }
 
 /// A new key pair and a CSR for it with CN = `name`.
@@ -88,7 +91,8 @@ pub async fn enroll(opts: &EnrollOptions) -> Result<EnrollResponse, EnrollError>
         };
         return Err(EnrollError::Refused { status: status.as_u16(), reason, message });
     }
-    let answer: EnrollResponse = serde_json::from_slice(&body).map_err(|e| EnrollError::Transport { server: opts.server.clone(), message: format!("unexpected answer: {e}") })?;
+    let answer: EnrollResponse = serde_json::from_slice(&body)
+        .map_err(|e| EnrollError::Transport { server: opts.server.clone(), message: format!("unexpected answer: {e}") })?;
     save(&opts.state_dir, &key, &answer, &opts.server)?;
     Ok(answer)
 }
@@ -118,7 +122,10 @@ pub fn certificate_expiry(state_dir: &Path) -> Result<time::OffsetDateTime, Enro
 /// the machine.
 pub async fn rotate(state_dir: &Path, controller: &crate::client::Controller, name: &Name) -> Result<(), EnrollError> {
     let (key, csr) = make_key_and_csr(name)?;
-    let answer = controller.rotate_certificate(&csr).await.map_err(|e| EnrollError::Transport { server: "controller".into(), message: e.to_string() })?;
+    let answer = controller
+        .rotate_certificate(&csr)
+        .await
+        .map_err(|e| EnrollError::Transport { server: "controller".into(), message: e.to_string() })?;
     // Key first, then certificate: a crash in between leaves a pair the controller still
     // accepts (the old certificate stays valid until the new one is used) or a new key with
     // an old certificate, which the next start detects as unusable and reports.

@@ -53,7 +53,17 @@ pub enum JournalError {
 
 impl Journal {
     pub fn new(generation: u64, steps: Vec<Step>, rebooted_for_generation: Option<u64>) -> Self {
-        Journal { version: JOURNAL_VERSION, generation, steps, next: 0, attempts: 0, lease: None, reboot: None, rebooted_for_generation, failed: None }
+        Journal {
+            version: JOURNAL_VERSION,
+            generation,
+            steps,
+            next: 0,
+            attempts: 0,
+            lease: None,
+            reboot: None,
+            rebooted_for_generation,
+            failed: None,
+        }
     }
 
     pub fn is_done(&self) -> bool {
@@ -71,14 +81,19 @@ impl Journal {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(JournalError::Corrupt { path, message: e.to_string() }),
         };
-        let value: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| JournalError::Corrupt { path: path.clone(), message: e.to_string() })?;
+        let value: serde_json::Value =
+            serde_json::from_slice(&bytes).map_err(|e| JournalError::Corrupt { path: path.clone(), message: e.to_string() })?;
         let version = value.get("version").and_then(|v| v.as_u64()).unwrap_or(0) as u32;
         if version > JOURNAL_VERSION {
             return Err(JournalError::FutureVersion { path, found: version });
         }
-        let journal: Journal = serde_json::from_value(value).map_err(|e| JournalError::Corrupt { path: path.clone(), message: e.to_string() })?;
+        let journal: Journal =
+            serde_json::from_value(value).map_err(|e| JournalError::Corrupt { path: path.clone(), message: e.to_string() })?;
         if journal.version != JOURNAL_VERSION || journal.next > journal.steps.len() {
-            return Err(JournalError::Corrupt { path, message: format!("version {} with step {} of {}", journal.version, journal.next, journal.steps.len()) });
+            return Err(JournalError::Corrupt {
+                path,
+                message: format!("version {} with step {} of {}", journal.version, journal.next, journal.steps.len()),
+            });
         }
         Ok(Some(journal))
     }
@@ -99,7 +114,11 @@ mod tests {
     fn round_trips_and_refuses_corrupt_or_future_journals() -> anyhow::Result<()> {
         let dir = tempfile::tempdir()?;
         assert!(Journal::load(dir.path())?.is_none());
-        let mut j = Journal::new(3, vec![Step { action: Action::Hold { names: vec!["a".into()] }, description: "hold a".into(), disruptive: false }], None);
+        let mut j = Journal::new(
+            3,
+            vec![Step { action: Action::Hold { names: vec!["a".into()] }, description: "hold a".into(), disruptive: false }],
+            None,
+        );
         j.next = 1;
         j.save(dir.path())?;
         assert_eq!(Journal::load(dir.path())?, Some(j));

@@ -59,7 +59,9 @@ fn init_logging(level: &str) {
     let registry = tracing_subscriber::registry().with(filter);
     match journald {
         Some(layer) => registry.with(layer).init(),
-        None => registry.with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(std::io::stderr().is_terminal())).init(),
+        None => {
+            registry.with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(std::io::stderr().is_terminal())).init()
+        }
     }
 }
 
@@ -133,7 +135,9 @@ fn main() -> ExitCode {
                     None => default_name()?,
                 };
                 let state_dir = cli.state_dir.clone().unwrap_or_else(|| config::DEFAULT_STATE_DIR.into());
-                let answer = enroll(&EnrollOptions { server: server.clone(), ca_file: ca_file.clone(), token: token.clone(), name, state_dir }).await?;
+                let answer =
+                    enroll(&EnrollOptions { server: server.clone(), ca_file: ca_file.clone(), token: token.clone(), name, state_dir })
+                        .await?;
                 println!("{}", answer.name);
                 Ok(ExitCode::SUCCESS)
             }
@@ -143,9 +147,21 @@ fn main() -> ExitCode {
                 match journal::Journal::load(&state_dir)? {
                     None => println!("no journal: nothing applied yet"),
                     Some(j) => {
-                        println!("generation {}: step {} of {}{}", j.generation, j.next.min(j.steps.len()), j.steps.len(), j.failed.as_ref().map(|f| format!(" — failed: {f}")).unwrap_or_default());
+                        println!(
+                            "generation {}: step {} of {}{}",
+                            j.generation,
+                            j.next.min(j.steps.len()),
+                            j.steps.len(),
+                            j.failed.as_ref().map(|f| format!(" — failed: {f}")).unwrap_or_default()
+                        );
                         for (i, s) in j.steps.iter().enumerate() {
-                            let mark = if i < j.next { "done" } else if i == j.next { "next" } else { "" };
+                            let mark = if i < j.next {
+                                "done"
+                            } else if i == j.next {
+                                "next"
+                            } else {
+                                ""
+                            };
                             println!("  {}/{} {:<4} {}", i + 1, j.steps.len(), mark, s.description);
                         }
                     }

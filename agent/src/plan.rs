@@ -14,21 +14,48 @@ use crate::observe::{CONTAINERD_CONFIG, Observed, SOURCES_FILE, sha256_hex};
 #[serde(rename_all = "camelCase", tag = "kind")]
 pub enum Action {
     /// Write the managed apt sources (or remove them, `None`) and refresh the package lists.
-    Repositories { content: Option<String> },
+    Repositories {
+        content: Option<String>,
+    },
     /// Install exact versions (after checking the repositories have them all), then hold.
-    Packages { install: Vec<Pin>, hold: Vec<String> },
+    Packages {
+        install: Vec<Pin>,
+        hold: Vec<String>,
+    },
     /// Hold pinned packages that are installed at the right version but not held.
-    Hold { names: Vec<String> },
+    Hold {
+        names: Vec<String>,
+    },
     /// Install the runtime package and/or write its configuration, restart it, check it.
-    Runtime { name: String, package: Option<Pin>, config: Option<String>, previous: Option<String> },
-    WriteFile { path: String, content: String, mode: u32, owner: Option<String> },
+    Runtime {
+        name: String,
+        package: Option<Pin>,
+        config: Option<String>,
+        previous: Option<String>,
+    },
+    WriteFile {
+        path: String,
+        content: String,
+        mode: u32,
+        owner: Option<String>,
+    },
     /// Download an artifact into the cache and check its digest (before any disruption).
-    FetchArtifact { url: String, sha256: String },
+    FetchArtifact {
+        url: String,
+        sha256: String,
+    },
     /// Install the kubelet binary from the cached artifact (when `artifact` is set) and/or its
     /// unit and drop-in, restart it, check its health; roll back the binary if it is not healthy.
-    Kubelet { artifact: Option<String>, version: String, unit: Option<String>, dropin: Option<String> },
+    Kubelet {
+        artifact: Option<String>,
+        version: String,
+        unit: Option<String>,
+        dropin: Option<String>,
+    },
     /// Reboot, and after boot check that `expected_kernel` (when known) is running.
-    Reboot { reason: String },
+    Reboot {
+        reason: String,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -109,7 +136,10 @@ fn file_differs(observed: &Observed, path: &str, content: &str, mode: u32) -> bo
 
 pub fn plan(spec: &MachineSpec, observed: &Observed, ctx: &Context) -> Result<Vec<Step>, PlanError> {
     if spec.kubelet.as_ref().is_some_and(|k| k.source.url.is_none()) {
-        return Err(PlanError::Unsupported { field: "spec.kubelet.source", message: "this agent installs the kubelet from a url artifact only; packages come later".into() });
+        return Err(PlanError::Unsupported {
+            field: "spec.kubelet.source",
+            message: "this agent installs the kubelet from a url artifact only; packages come later".into(),
+        });
     }
     if spec.etcd.is_some() {
         return Err(PlanError::Unsupported { field: "spec.etcd", message: "this agent does not manage etcd members yet".into() });
@@ -118,7 +148,10 @@ pub fn plan(spec: &MachineSpec, observed: &Observed, ctx: &Context) -> Result<Ve
         return Err(PlanError::Unsupported { field: "spec.scripts", message: "this agent does not run scripts yet".into() });
     }
     if spec.container_runtime.as_ref().is_some_and(|r| r.source.package.is_none()) {
-        return Err(PlanError::Unsupported { field: "spec.containerRuntime.source", message: "this agent installs containerd from a package only; url sources come later".into() });
+        return Err(PlanError::Unsupported {
+            field: "spec.containerRuntime.source",
+            message: "this agent installs containerd from a package only; url sources come later".into(),
+        });
     }
     let mut steps = Vec::new();
     let mut kernel_changes = false;
@@ -126,11 +159,19 @@ pub fn plan(spec: &MachineSpec, observed: &Observed, ctx: &Context) -> Result<Ve
     let sources_path = format!("/{SOURCES_FILE}");
     match render_sources(spec) {
         Some(content) if file_differs(observed, &sources_path, &content, 0o644) => {
-            steps.push(Step { description: "write apt sources and update".into(), disruptive: false, action: Action::Repositories { content: Some(content) } });
+            steps.push(Step {
+                description: "write apt sources and update".into(),
+                disruptive: false,
+                action: Action::Repositories { content: Some(content) },
+            });
         }
         // Repositories the spec no longer names must stop being sources.
         None if observed.files.contains_key(&sources_path) => {
-            steps.push(Step { description: "remove keelson's apt sources and update".into(), disruptive: false, action: Action::Repositories { content: None } });
+            steps.push(Step {
+                description: "remove keelson's apt sources and update".into(),
+                disruptive: false,
+                action: Action::Repositories { content: None },
+            });
         }
         _ => {}
     }
@@ -150,7 +191,11 @@ pub fn plan(spec: &MachineSpec, observed: &Observed, ctx: &Context) -> Result<Ve
         } else {
             let unheld: Vec<String> = all.into_iter().filter(|n| observed.packages.get(n).is_some_and(|i| !i.held)).collect();
             if !unheld.is_empty() {
-                steps.push(Step { description: format!("hold {}", unheld.join(" ")), disruptive: false, action: Action::Hold { names: unheld } });
+                steps.push(Step {
+                    description: format!("hold {}", unheld.join(" ")),
+                    disruptive: false,
+                    action: Action::Hold { names: unheld },
+                });
             }
         }
     }
@@ -185,13 +230,28 @@ pub fn plan(spec: &MachineSpec, observed: &Observed, ctx: &Context) -> Result<Ve
         let dropin_wanted = dropin_content(systemd_cgroup);
         let dropin = file_differs(observed, DROPIN, &dropin_wanted, 0o644).then_some(dropin_wanted);
         let binary_differs = observed.kubelet_version.as_deref() != Some(version.as_str());
-        let (url, sha256) = (k.source.url.as_ref().map(|u| u.to_string()).unwrap_or_default(), k.source.sha256.as_ref().map(|d| d.to_string()).unwrap_or_default());
+        let (url, sha256) = (
+            k.source.url.as_ref().map(|u| u.to_string()).unwrap_or_default(),
+            k.source.sha256.as_ref().map(|d| d.to_string()).unwrap_or_default(),
+        );
         if binary_differs {
-            steps.push(Step { description: format!("fetch kubelet {version}"), disruptive: false, action: Action::FetchArtifact { url, sha256: sha256.clone() } });
+            steps.push(Step {
+                description: format!("fetch kubelet {version}"),
+                disruptive: false,
+                action: Action::FetchArtifact { url, sha256: sha256.clone() },
+            });
         }
         if binary_differs || unit.is_some() || dropin.is_some() {
-            let description = if binary_differs { format!("install kubelet {version} and restart it") } else { "configure the kubelet and restart it".to_owned() };
-            steps.push(Step { description, disruptive: true, action: Action::Kubelet { artifact: binary_differs.then_some(sha256), version, unit, dropin } });
+            let description = if binary_differs {
+                format!("install kubelet {version} and restart it")
+            } else {
+                "configure the kubelet and restart it".to_owned()
+            };
+            steps.push(Step {
+                description,
+                disruptive: true,
+                action: Action::Kubelet { artifact: binary_differs.then_some(sha256), version, unit, dropin },
+            });
         }
     }
 
@@ -229,7 +289,8 @@ pub fn apply_model(observed: &Observed, steps: &[Step]) -> Observed {
     for s in steps {
         match &s.action {
             Action::Repositories { content: Some(content) } => {
-                o.files.insert(format!("/{SOURCES_FILE}"), crate::observe::FileState { sha256: sha256_hex(content.as_bytes()), mode: 0o644 });
+                o.files
+                    .insert(format!("/{SOURCES_FILE}"), crate::observe::FileState { sha256: sha256_hex(content.as_bytes()), mode: 0o644 });
             }
             Action::Repositories { content: None } => {
                 o.files.remove(&format!("/{SOURCES_FILE}"));
@@ -260,7 +321,10 @@ pub fn apply_model(observed: &Observed, steps: &[Step]) -> Observed {
                     i.held = true;
                 }
                 if let Some(c) = config {
-                    o.files.insert(format!("/{CONTAINERD_CONFIG}"), crate::observe::FileState { sha256: sha256_hex(c.as_bytes()), mode: 0o644 });
+                    o.files.insert(
+                        format!("/{CONTAINERD_CONFIG}"),
+                        crate::observe::FileState { sha256: sha256_hex(c.as_bytes()), mode: 0o644 },
+                    );
                 }
             }
             Action::WriteFile { path, content, mode, .. } => {
@@ -312,7 +376,12 @@ mod tests {
     }
 
     fn machine() -> Observed {
-        let mut o = Observed { running_kernel: "6.1.0-41-amd64".into(), boot_kernel: Some("6.1.0-41-amd64".into()), boot_id: "b1".into(), ..Observed::default() };
+        let mut o = Observed {
+            running_kernel: "6.1.0-41-amd64".into(),
+            boot_kernel: Some("6.1.0-41-amd64".into()),
+            boot_id: "b1".into(),
+            ..Observed::default()
+        };
         o.packages.insert("containerd".into(), Installed { version: "1.6.20~ds1-1+deb12u2".into(), held: false });
         o.packages.insert("linux-image-amd64".into(), Installed { version: "6.1.176-1".into(), held: false });
         o
@@ -321,7 +390,10 @@ mod tests {
     #[test]
     fn a_runtime_upgrade_is_one_disruptive_step() -> Result<(), PlanError> {
         let mut o = machine();
-        o.files.insert(format!("/{CONTAINERD_CONFIG}"), FileState { sha256: sha256_hex(render_containerd_config(true).as_bytes()), mode: 0o644 });
+        o.files.insert(
+            format!("/{CONTAINERD_CONFIG}"),
+            FileState { sha256: sha256_hex(render_containerd_config(true).as_bytes()), mode: 0o644 },
+        );
         let steps = plan(&spec(vec![], Some("1.6.20~ds1-1+deb12u3"), vec![], RebootPolicy::IfRequired), &o, &Context::default())?;
         assert_eq!(steps.len(), 1);
         assert!(steps[0].disruptive);
@@ -362,8 +434,10 @@ mod tests {
 
     #[test]
     fn unsupported_parts_are_refused_not_ignored() {
-        let s: MachineSpec = serde_json::from_value(serde_json::json!({"roles": ["worker"], "kubelet": {"version": "1.30.1", "source": {"package": "kubelet"}}}))
-            .unwrap_or_else(|e| panic!("{e}"));
+        let s: MachineSpec = serde_json::from_value(
+            serde_json::json!({"roles": ["worker"], "kubelet": {"version": "1.30.1", "source": {"package": "kubelet"}}}),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
         assert!(matches!(plan(&s, &machine(), &Context::default()), Err(PlanError::Unsupported { field: "spec.kubelet.source", .. })));
     }
 
@@ -416,7 +490,10 @@ mod tests {
         )
             .prop_map(|(pins, runtime, files, reboot)| {
                 let pins = pins.into_iter().map(|(n, v)| pin(&format!("pkg-{n}"), &v)).collect();
-                let files = files.into_iter().map(|(path, (content, mode))| FileSpec { path, content, mode: FileMode(mode), owner: None }).collect();
+                let files = files
+                    .into_iter()
+                    .map(|(path, (content, mode))| FileSpec { path, content, mode: FileMode(mode), owner: None })
+                    .collect();
                 spec(pins, runtime.as_deref(), files, reboot)
             })
     }

@@ -45,7 +45,10 @@ const REBOOT_LEASE_TTL_SECS: u64 = 900;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
     Converged,
-    Degraded { reason: String, message: String },
+    Degraded {
+        reason: String,
+        message: String,
+    },
     /// The machine is rebooting; the next start of the agent carries on.
     Rebooting,
     /// Shutdown was requested between steps; the journal says where to resume.
@@ -98,7 +101,9 @@ impl Report {
             "Warning" => tracing::warn!(reason, %message, "event"),
             _ => tracing::info!(reason, %message, "event"),
         }
-        self.update(|s| s.events.push(Event { time: meta::now(), type_: type_.into(), reason: reason.into(), message, source: "agent".into() }));
+        self.update(|s| {
+            s.events.push(Event { time: meta::now(), type_: type_.into(), reason: reason.into(), message, source: "agent".into() })
+        });
     }
 
     pub fn condition(&self, type_: &str, status: ConditionStatus, reason: &str, message: &str) {
@@ -202,7 +207,12 @@ impl Reconciler {
                     self.report.condition(condition::UP_TO_DATE, ConditionStatus::False, "Drift", &what);
                     self.report.event("Warning", "Drift", format!("the machine no longer matches generation {generation}: {what}"));
                 } else {
-                    self.report.condition(condition::UP_TO_DATE, ConditionStatus::False, "Pending", &format!("{} steps to generation {generation}", journal.steps.len()));
+                    self.report.condition(
+                        condition::UP_TO_DATE,
+                        ConditionStatus::False,
+                        "Pending",
+                        &format!("{} steps to generation {generation}", journal.steps.len()),
+                    );
                 }
                 journal
             }
@@ -234,16 +244,20 @@ impl Reconciler {
             let index = journal.next;
             let step = journal.steps[index].clone();
             self.set_phase(Phase::Converging, generation);
-            self.report.update(|s| s.current_step = Some(CurrentStep { index: index as u32 + 1, total, description: step.description.clone() }));
+            self.report
+                .update(|s| s.current_step = Some(CurrentStep { index: index as u32 + 1, total, description: step.description.clone() }));
             // Resuming with a lease from before a restart: it may have expired meanwhile.
-            if step.disruptive && journal.reboot.is_none()
+            if step.disruptive
+                && journal.reboot.is_none()
                 && let Some(id) = journal.lease.clone()
-                    && let Err(e) = self.controller.renew_lease(&id, self.lease_ttl).await {
-                        tracing::info!(lease = %id, error = %e, "the lease from before the restart is gone; asking again");
-                        journal.lease = None;
-                    }
+                && let Err(e) = self.controller.renew_lease(&id, self.lease_ttl).await
+            {
+                tracing::info!(lease = %id, error = %e, "the lease from before the restart is gone; asking again");
+                journal.lease = None;
+            }
             if step.disruptive && journal.lease.is_none() {
-                let ttl = if matches!(step.action, Action::Reboot { .. }) { Duration::from_secs(REBOOT_LEASE_TTL_SECS) } else { self.lease_ttl };
+                let ttl =
+                    if matches!(step.action, Action::Reboot { .. }) { Duration::from_secs(REBOOT_LEASE_TTL_SECS) } else { self.lease_ttl };
                 match self.acquire_lease(&step.description, ttl).await {
                     Some(id) => {
                         journal.lease = Some(id);
@@ -254,7 +268,12 @@ impl Reconciler {
                     None => return Outcome::Interrupted,
                 }
             }
-            self.report.condition(condition::UPDATING, ConditionStatus::True, "Step", &format!("{}/{total} {}", index + 1, step.description));
+            self.report.condition(
+                condition::UPDATING,
+                ConditionStatus::True,
+                "Step",
+                &format!("{}/{total} {}", index + 1, step.description),
+            );
             if let Err(o) = self.save(journal) {
                 return o;
             }
@@ -345,10 +364,11 @@ impl Reconciler {
 
     async fn release_lease(&self, journal: &mut Journal) {
         if let Some(id) = journal.lease.take()
-            && let Err(e) = self.controller.release_lease(&id).await {
-                // Not fatal: an unreleased lease expires by itself.
-                tracing::warn!(lease = %id, error = %e, "could not release the disruption lease");
-            }
+            && let Err(e) = self.controller.release_lease(&id).await
+        {
+            // Not fatal: an unreleased lease expires by itself.
+            tracing::warn!(lease = %id, error = %e, "could not release the disruption lease");
+        }
     }
 
     fn renew_in_background(&self, lease: Option<String>, step: &Step) -> Option<tokio::task::JoinHandle<()>> {
@@ -388,7 +408,9 @@ impl Reconciler {
                 apt::hold(hold).await?;
             }
             Action::Hold { names } => apt::hold(names).await?,
-            Action::Runtime { name, package, config, previous } => self.runtime_step(name, package.as_ref(), config.as_deref(), previous.as_deref()).await?,
+            Action::Runtime { name, package, config, previous } => {
+                self.runtime_step(name, package.as_ref(), config.as_deref(), previous.as_deref()).await?
+            }
             Action::WriteFile { path, content, mode, owner } => files::write(path, content, *mode, owner.as_deref()).map_err(transient)?,
             Action::FetchArtifact { url, sha256 } => {
                 let url: url::Url = url.parse().map_err(|e| StepError::Permanent(format!("artifact url {url:?}: {e}")))?;
@@ -399,13 +421,20 @@ impl Reconciler {
                     Err(e) => return Err(transient(e)),
                 }
             }
-            Action::Kubelet { artifact: digest, version, unit, dropin } => self.kubelet_step(digest.as_deref(), version, unit.as_deref(), dropin.as_deref()).await?,
+            Action::Kubelet { artifact: digest, version, unit, dropin } => {
+                self.kubelet_step(digest.as_deref(), version, unit.as_deref(), dropin.as_deref()).await?
+            }
             Action::Reboot { reason } => {
                 let observed = observe::observe(&Self::root(), &MachineSpec::default()).map_err(transient)?;
-                journal.reboot = Some(RebootRecord { boot_id_before: observed.boot_id.clone(), expected_kernel: observed.boot_kernel.clone() });
+                journal.reboot =
+                    Some(RebootRecord { boot_id_before: observed.boot_id.clone(), expected_kernel: observed.boot_kernel.clone() });
                 journal.rebooted_for_generation = Some(journal.generation);
                 journal.save(&self.state_dir).map_err(transient)?;
-                self.report.event("Normal", "Rebooting", format!("{reason}; expecting kernel {}", observed.boot_kernel.unwrap_or_else(|| "unknown".into())));
+                self.report.event(
+                    "Normal",
+                    "Rebooting",
+                    format!("{reason}; expecting kernel {}", observed.boot_kernel.unwrap_or_else(|| "unknown".into())),
+                );
                 systemd::reboot().await.map_err(transient)?;
                 return Ok(StepDone::Rebooting);
             }
@@ -413,7 +442,13 @@ impl Reconciler {
         Ok(StepDone::Done)
     }
 
-    async fn runtime_step(&self, name: &str, package: Option<&plan::Pin>, config: Option<&str>, previous: Option<&str>) -> Result<(), StepError> {
+    async fn runtime_step(
+        &self,
+        name: &str,
+        package: Option<&plan::Pin>,
+        config: Option<&str>,
+        previous: Option<&str>,
+    ) -> Result<(), StepError> {
         if let Some(p) = package {
             apt::update().await?;
             apt::ensure_available(std::slice::from_ref(p)).await?;

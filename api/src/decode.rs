@@ -80,7 +80,9 @@ pub fn resource_from_value(value: serde_json::Value) -> Result<Resource, Validat
             Ok(Resource::MachinePool(Box::new(p)))
         }
         Some(crate::KIND_TOKEN) => Ok(Resource::BootstrapToken(Box::new(from_value(value)?))),
-        Some(other) => Err(ValidationError::single("kind", format!("{other:?} is not a keelson kind (Machine, MachinePool, BootstrapToken)"))),
+        Some(other) => {
+            Err(ValidationError::single("kind", format!("{other:?} is not a keelson kind (Machine, MachinePool, BootstrapToken)")))
+        }
         None => Err(ValidationError::single("kind", "is required")),
     }
 }
@@ -190,9 +192,14 @@ spec:
 
     #[test]
     fn cross_field_rules() {
-        let etcd_without_role = GOOD.replacen("  files:", "  etcd: {cluster: main, version: 3.5.1, source: {package: etcd-server}}\n  files:", 1);
+        let etcd_without_role =
+            GOOD.replacen("  files:", "  etcd: {cluster: main, version: 3.5.1, source: {package: etcd-server}}\n  files:", 1);
         assert!(err(&etcd_without_role).contains("spec.etcd: is only allowed with role etcd"));
-        let dup_file = GOOD.replacen("files: [{path: /etc/motd, content: \"hi\\n\", mode: \"0644\"}]", "files: [{path: /etc/motd, content: a}, {path: /etc/motd, content: b}]", 1);
+        let dup_file = GOOD.replacen(
+            "files: [{path: /etc/motd, content: \"hi\\n\", mode: \"0644\"}]",
+            "files: [{path: /etc/motd, content: a}, {path: /etc/motd, content: b}]",
+            1,
+        );
         assert!(err(&dup_file).contains("spec.files[1].path: /etc/motd is listed twice"), "{}", err(&dup_file));
         let relative = GOOD.replacen("path: /etc/motd", "path: ../etc/motd", 1);
         assert!(err(&relative).contains("spec.files[0].path"));
@@ -211,7 +218,10 @@ spec:
         };
         assert!(validate_spec_change("spec", &spec("1.29.1", "3.4.23"), &spec("1.30.4", "3.5.1")).is_ok());
         let skip = validate_spec_change("spec", &spec("1.28.1", "3.4.23"), &spec("1.30.4", "3.4.23")).err().map(|e| e.to_string());
-        assert_eq!(skip.as_deref(), Some("spec.kubelet.version: kubelet cannot skip a minor version (1.28 to 1.30); upgrade to 1.29 first"));
+        assert_eq!(
+            skip.as_deref(),
+            Some("spec.kubelet.version: kubelet cannot skip a minor version (1.28 to 1.30); upgrade to 1.29 first")
+        );
         let etcd_skip = validate_spec_change("spec", &spec("1.30.4", "3.4.23"), &spec("1.30.4", "3.6.0")).err().map(|e| e.to_string());
         assert!(etcd_skip.is_some_and(|e| e.contains("spec.etcd.version: etcd cannot skip a minor version (3.4 to 3.6)")));
         let etcd_down = validate_spec_change("spec", &spec("1.30.4", "3.5.1"), &spec("1.30.4", "3.4.23")).err().map(|e| e.to_string());

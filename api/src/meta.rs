@@ -23,7 +23,9 @@ pub fn now() -> Timestamp {
 pub struct Name(String);
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0:?} is not a valid name (a DNS-1123 label: at most 63 characters of a-z, 0-9 and '-', starting and ending with a letter or digit)")]
+#[error(
+    "{0:?} is not a valid name (a DNS-1123 label: at most 63 characters of a-z, 0-9 and '-', starting and ending with a letter or digit)"
+)]
 pub struct NameError(pub String);
 
 impl Name {

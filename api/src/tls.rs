@@ -32,10 +32,13 @@ pub fn client_config(ca_pem: &str, identity: Option<(&str, &str)>) -> Result<rus
     if !found {
         return Err(TlsError::Pem { what: "CA certificate", message: "no certificate found".into() });
     }
-    let builder = rustls::ClientConfig::builder_with_provider(provider).with_safe_default_protocol_versions()?.with_root_certificates(roots);
+    let builder =
+        rustls::ClientConfig::builder_with_provider(provider).with_safe_default_protocol_versions()?.with_root_certificates(roots);
     let mut config = match identity {
         Some((cert_pem, key_pem)) => {
-            let chain = CertificateDer::pem_slice_iter(cert_pem.as_bytes()).collect::<Result<Vec<_>, _>>().map_err(pem_err("client certificate"))?;
+            let chain = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(pem_err("client certificate"))?;
             let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes()).map_err(pem_err("client key"))?;
             builder.with_client_auth_cert(chain, key)?
         }

@@ -99,7 +99,14 @@ mod tests {
         assert_eq!(t.id, "abc123");
         assert_eq!(t.to_string(), "kst.abc123.0123456789abcdef");
         assert!(!format!("{t:?}").contains("0123456789abcdef"));
-        for bad in ["", "kst.abc123", "kst.abc12.0123456789abcdef", "xyz.abc123.0123456789abcdef", "kst.ABC123.0123456789abcdef", "kst.abc123.0123456789abcdef.x"] {
+        for bad in [
+            "",
+            "kst.abc123",
+            "kst.abc12.0123456789abcdef",
+            "xyz.abc123.0123456789abcdef",
+            "kst.ABC123.0123456789abcdef",
+            "kst.abc123.0123456789abcdef.x",
+        ] {
             assert!(bad.parse::<TokenString>().is_err(), "{bad}");
         }
     }

@@ -18,11 +18,7 @@ pub struct FieldError {
 
 impl fmt::Display for FieldError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.field.is_empty() {
-            f.write_str(&self.message)
-        } else {
-            write!(f, "{}: {}", self.field, self.message)
-        }
+        if self.field.is_empty() { f.write_str(&self.message) } else { write!(f, "{}: {}", self.field, self.message) }
     }
 }
 
@@ -124,9 +120,10 @@ pub fn validate_pool(p: &MachinePool) -> Result<(), ValidationError> {
         }
     }
     if let Some(name) = &p.metadata.name
-        && p.spec.rollout.after.contains(name) {
-            errors.add("spec.rollout.after", "a pool cannot wait for itself");
-        }
+        && p.spec.rollout.after.contains(name)
+    {
+        errors.add("spec.rollout.after", "a pool cannot wait for itself");
+    }
     if p.spec.template.spec.roles.contains(&Role::Etcd) && p.spec.rollout.max_unavailable != crate::pool::IntOrPercent::Int(1) {
         errors.add("spec.rollout.maxUnavailable", "must be 1 for a pool with role etcd (one member at a time)");
     }
@@ -192,7 +189,11 @@ fn check_spec(errors: &mut Errors, at: &str, spec: &MachineSpec) {
     let mut paths = BTreeSet::new();
     for (i, file) in spec.files.iter().enumerate() {
         let here = format!("{at}.files[{i}].path");
-        if !file.path.starts_with('/') || file.path.split('/').any(|c| c == ".." || c == ".") || file.path.ends_with('/') || file.path.contains("//") {
+        if !file.path.starts_with('/')
+            || file.path.split('/').any(|c| c == ".." || c == ".")
+            || file.path.ends_with('/')
+            || file.path.contains("//")
+        {
             errors.add(&here, format!("{:?} is not a normalised absolute file path", file.path));
         } else if !paths.insert(file.path.as_str()) {
             errors.add(&here, format!("{} is listed twice", file.path));
@@ -246,9 +247,10 @@ pub fn validate_spec_change(at: &str, old: &MachineSpec, new: &MachineSpec) -> R
         check_minor_step(&mut errors, &format!("{at}.kubelet.version"), "kubelet", kube_minor(&o.version), kube_minor(&n.version), false);
     }
     if let (Some(o), Some(n)) = (&old.etcd, &new.etcd)
-        && let (Some(ov), Some(nv)) = (release_minor(&o.version), release_minor(&n.version)) {
-            check_minor_step(&mut errors, &format!("{at}.etcd.version"), "etcd", ov, nv, true);
-        }
+        && let (Some(ov), Some(nv)) = (release_minor(&o.version), release_minor(&n.version))
+    {
+        check_minor_step(&mut errors, &format!("{at}.etcd.version"), "etcd", ov, nv, true);
+    }
     errors.finish()
 }
 
@@ -269,7 +271,18 @@ fn check_minor_step(errors: &mut Errors, at: &str, what: &str, old: (u64, u64), 
     if new.0 != old.0 {
         errors.add(at, format!("{what} cannot change major version ({}.{} to {}.{})", old.0, old.1, new.0, new.1));
     } else if new.1 > old.1 + 1 {
-        errors.add(at, format!("{what} cannot skip a minor version ({}.{} to {}.{}); upgrade to {}.{} first", old.0, old.1, new.0, new.1, old.0, old.1 + 1));
+        errors.add(
+            at,
+            format!(
+                "{what} cannot skip a minor version ({}.{} to {}.{}); upgrade to {}.{} first",
+                old.0,
+                old.1,
+                new.0,
+                new.1,
+                old.0,
+                old.1 + 1
+            ),
+        );
     } else if new.1 + 1 < old.1 || (refuse_downgrade && new.1 < old.1) {
         errors.add(at, format!("{what} cannot be downgraded from {}.{} to {}.{}", old.0, old.1, new.0, new.1));
     }

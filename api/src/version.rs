@@ -106,12 +106,7 @@ impl FromStr for DebVersion {
         if !revision.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'+' | b'~')) {
             return Err(bad());
         }
-        Ok(DebVersion {
-            text: input.to_owned(),
-            epoch,
-            upstream: upstream.to_owned(),
-            revision: revision.to_owned(),
-        })
+        Ok(DebVersion { text: input.to_owned(), epoch, upstream: upstream.to_owned(), revision: revision.to_owned() })
     }
 }
 
@@ -222,9 +217,7 @@ impl FromStr for RpmVersion {
     fn from_str(input: &str) -> Result<Self, Self::Err> {
         const EXPECTED: &str = "an RPM version";
         let bad = || version_error(input, EXPECTED);
-        let allowed = |s: &str| {
-            s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'+' | b'~' | b'^'))
-        };
+        let allowed = |s: &str| s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'+' | b'~' | b'^'));
         let (epoch, rest) = match input.split_once(':') {
             Some((e, rest)) => (e.parse::<u32>().map_err(|_| bad())?, rest),
             None => (0, input),
@@ -233,12 +226,7 @@ impl FromStr for RpmVersion {
         if version.is_empty() || (rest.contains('-') && release.is_empty()) || !allowed(version) || !allowed(release) {
             return Err(bad());
         }
-        Ok(RpmVersion {
-            text: input.to_owned(),
-            epoch,
-            version: version.to_owned(),
-            release: release.to_owned(),
-        })
+        Ok(RpmVersion { text: input.to_owned(), epoch, version: version.to_owned(), release: release.to_owned() })
     }
 }
 
@@ -407,9 +395,7 @@ impl FromStr for ReleaseVersion {
     type Err = VersionError;
     fn from_str(input: &str) -> Result<Self, Self::Err> {
         let bare = input.strip_prefix('v').unwrap_or(input);
-        semver::Version::parse(bare)
-            .map(ReleaseVersion)
-            .map_err(|_| version_error(input, "a release version (MAJOR.MINOR.PATCH)"))
+        semver::Version::parse(bare).map(ReleaseVersion).map_err(|_| version_error(input, "a release version (MAJOR.MINOR.PATCH)"))
     }
 }
 impl fmt::Display for ReleaseVersion {
@@ -433,15 +419,7 @@ mod tests {
 
     #[test]
     fn dpkg_known_orderings() {
-        let ascending = [
-            "1.0~rc1",
-            "1.0",
-            "1.0-1",
-            "1.0-1+b1",
-            "1.0a",
-            "1.0.1",
-            "1:0.1",
-        ];
+        let ascending = ["1.0~rc1", "1.0", "1.0-1", "1.0-1+b1", "1.0a", "1.0.1", "1:0.1"];
         for pair in ascending.windows(2) {
             assert!(deb(pair[0]) < deb(pair[1]), "{} < {}", pair[0], pair[1]);
         }
@@ -494,12 +472,8 @@ mod tests {
     }
 
     fn deb_strategy() -> impl Strategy<Value = String> {
-        (
-            proptest::option::of(0u32..3),
-            "[0-9][0-9a-z.+~]{0,8}",
-            proptest::option::of("[0-9a-z][0-9a-z.+~]{0,5}"),
-        )
-            .prop_map(|(epoch, upstream, revision)| {
+        (proptest::option::of(0u32..3), "[0-9][0-9a-z.+~]{0,8}", proptest::option::of("[0-9a-z][0-9a-z.+~]{0,5}")).prop_map(
+            |(epoch, upstream, revision)| {
                 let mut s = String::new();
                 if let Some(e) = epoch {
                     s.push_str(&format!("{e}:"));
@@ -510,7 +484,8 @@ mod tests {
                     s.push_str(&r);
                 }
                 s
-            })
+            },
+        )
     }
 
     proptest! {
@@ -578,7 +553,13 @@ mod tests {
                 .status()
                 .map_err(|e| TestCaseError::fail(e.to_string()))?
                 .success();
-            let real = if real_lt { Ordering::Less } else if real_eq { Ordering::Equal } else { Ordering::Greater };
+            let real = if real_lt {
+                Ordering::Less
+            } else if real_eq {
+                Ordering::Equal
+            } else {
+                Ordering::Greater
+            };
             prop_assert_eq!(ours, real, "{} vs {}", a, b);
             Ok(())
         });

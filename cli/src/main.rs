@@ -161,12 +161,18 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 match resource {
                     Resource::Machine(m) => {
                         let name = m.metadata.name_str().to_owned();
-                        let stored: Machine = client.call(Method::PUT, &format!("/v1/machines/{name}"), Some(&m)).await.map_err(|e| anyhow!("machine/{name}: {e}"))?;
+                        let stored: Machine = client
+                            .call(Method::PUT, &format!("/v1/machines/{name}"), Some(&m))
+                            .await
+                            .map_err(|e| anyhow!("machine/{name}: {e}"))?;
                         println!("machine/{name} applied (generation {})", stored.metadata.generation);
                     }
                     Resource::MachinePool(p) => {
                         let name = p.metadata.name_str().to_owned();
-                        let stored: MachinePool = client.call(Method::PUT, &format!("/v1/pools/{name}"), Some(&p)).await.map_err(|e| anyhow!("pool/{name}: {e}"))?;
+                        let stored: MachinePool = client
+                            .call(Method::PUT, &format!("/v1/pools/{name}"), Some(&p))
+                            .await
+                            .map_err(|e| anyhow!("pool/{name}: {e}"))?;
                         println!("pool/{name} applied (revision {})", stored.status.revision);
                     }
                     Resource::BootstrapToken(_) => unreachable!("refused above"),
@@ -185,7 +191,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let text = match kind {
                 Kind::Machines => render::<Machine>(&client, &path, name.is_some(), output, output::machines_table).await?,
                 Kind::Pools => render::<MachinePool>(&client, &path, name.is_some(), output, output::pools_table).await?,
-                Kind::Tokens => render::<BootstrapToken>(&client, &path, name.is_some(), output, |items, _| output::tokens_table(items)).await?,
+                Kind::Tokens => {
+                    render::<BootstrapToken>(&client, &path, name.is_some(), output, |items, _| output::tokens_table(items)).await?
+                }
             };
             print!("{text}");
         }

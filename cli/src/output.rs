@@ -166,7 +166,13 @@ pub fn describe_machine(m: &Machine, events: &[Event]) -> anyhow::Result<String>
         let mut t = table(&["TYPE", "STATUS", "REASON", "AGE", "MESSAGE"]);
         for c in &s.conditions {
             let marker = if c.type_ == condition::DEGRADED && c.status == ConditionStatus::True { "!" } else { "" };
-            t.add_row(vec![format!("{marker}{}", c.type_), c.status.to_string(), c.reason.clone(), age(Some(c.last_transition_time)), c.message.clone()]);
+            t.add_row(vec![
+                format!("{marker}{}", c.type_),
+                c.status.to_string(),
+                c.reason.clone(),
+                age(Some(c.last_transition_time)),
+                c.message.clone(),
+            ]);
         }
         writeln!(out, "{}", indent(&t.to_string()))?;
     }

@@ -60,7 +60,10 @@ impl Registry {
         match owning_pool(&pools, &machine.object.metadata.labels) {
             Some(pool) => {
                 let (machines, _) = self.list::<Machine>(MACHINES).await?;
-                let members = machines.iter().filter(|m| owning_pool(&pools, &m.object.metadata.labels).map(|p| &p.metadata.name) == Some(&pool.metadata.name)).count();
+                let members = machines
+                    .iter()
+                    .filter(|m| owning_pool(&pools, &m.object.metadata.labels).map(|p| &p.metadata.name) == Some(&pool.metadata.name))
+                    .count();
                 Ok((format!("{LEASES}{}", pool.metadata.name_str()), pool.spec.rollout.max_unavailable.resolve(members)))
             }
             None => Ok((format!("{LEASES}-{name}"), 1)),
@@ -96,7 +99,14 @@ impl Registry {
             };
             match self.store.txn(vec![Op::Put { key: key.clone(), value: encode(&set), precondition }]).await {
                 Ok(_) => {
-                    self.record_event(name.as_str(), "Normal", "DisruptionGranted", &format!("lease {} for {reason}", lease.id), "controller").await?;
+                    self.record_event(
+                        name.as_str(),
+                        "Normal",
+                        "DisruptionGranted",
+                        &format!("lease {} for {reason}", lease.id),
+                        "controller",
+                    )
+                    .await?;
                     return Ok(Decision::Granted(lease));
                 }
                 Err(StoreError::Conflict { .. }) => continue,
@@ -109,9 +119,10 @@ impl Registry {
     /// Renews (`ttl_secs` Some) or releases (None) a machine's lease.
     pub async fn update_lease(&self, name: &Name, id: &str, ttl_secs: Option<u64>) -> Result<Option<Lease>, ApiError> {
         if let Some(t) = ttl_secs
-            && !(MIN_TTL_SECS..=MAX_TTL_SECS).contains(&t) {
-                return Err(ApiError::invalid("ttlSeconds", format!("must be between {MIN_TTL_SECS} and {MAX_TTL_SECS}")));
-            }
+            && !(MIN_TTL_SECS..=MAX_TTL_SECS).contains(&t)
+        {
+            return Err(ApiError::invalid("ttlSeconds", format!("must be between {MIN_TTL_SECS} and {MAX_TTL_SECS}")));
+        }
         let (key, _) = self.lease_scope(name).await?;
         for _ in 0..CAS_ATTEMPTS {
             let Some(current) = self.get::<PoolLeases>(&key).await? else {
@@ -133,7 +144,11 @@ impl Registry {
                     None
                 }
             };
-            match self.store.txn(vec![Op::Put { key: key.clone(), value: encode(&set), precondition: Precondition::Revision(current.revision) }]).await {
+            match self
+                .store
+                .txn(vec![Op::Put { key: key.clone(), value: encode(&set), precondition: Precondition::Revision(current.revision) }])
+                .await
+            {
                 Ok(_) => {
                     if result.is_none() {
                         self.record_event(name.as_str(), "Normal", "DisruptionReleased", &format!("lease {id}"), "controller").await?;

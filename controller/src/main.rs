@@ -57,17 +57,30 @@ fn init_logging(level: &str) {
     let registry = tracing_subscriber::registry().with(filter);
     match journald {
         Some(layer) => registry.with(layer).init(),
-        None => registry.with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(std::io::stderr().is_terminal())).init(),
+        None => {
+            registry.with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(std::io::stderr().is_terminal())).init()
+        }
     }
 }
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::Serve { data_dir, listen, sans, store, unreachable_after_seconds, reconcile_interval_seconds, long_poll_seconds, log_level } => {
+        Command::Serve {
+            data_dir,
+            listen,
+            sans,
+            store,
+            unreachable_after_seconds,
+            reconcile_interval_seconds,
+            long_poll_seconds,
+            log_level,
+        } => {
             init_logging(&log_level);
             if unreachable_after_seconds == 0 || reconcile_interval_seconds == 0 || long_poll_seconds == 0 {
-                eprintln!("keelson-controller: --unreachable-after-seconds, --reconcile-interval-seconds and --long-poll-seconds must be at least 1");
+                eprintln!(
+                    "keelson-controller: --unreachable-after-seconds, --reconcile-interval-seconds and --long-poll-seconds must be at least 1"
+                );
                 return std::process::ExitCode::from(2);
             }
             let opts = ServeOptions {

@@ -182,10 +182,17 @@ pub fn csr_common_name(csr: &CertificateSigningRequestParams) -> Option<String> 
 pub enum Peer {
     /// No client certificate (allowed only for enrollment and health checks).
     Anonymous,
-    Admin { name: String },
-    Machine { name: Name, serial: String },
+    Admin {
+        name: String,
+    },
+    Machine {
+        name: Name,
+        serial: String,
+    },
     /// A certificate from this CA that names no known role.
-    Unrecognised { subject: String },
+    Unrecognised {
+        subject: String,
+    },
 }
 
 impl Peer {

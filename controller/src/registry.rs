@@ -173,7 +173,15 @@ impl Registry {
             if !change(&mut current.object)? {
                 return Ok(current);
             }
-            match self.store.txn(vec![Op::Put { key: key.clone(), value: encode(&current.object), precondition: Precondition::Revision(current.revision) }]).await {
+            match self
+                .store
+                .txn(vec![Op::Put {
+                    key: key.clone(),
+                    value: encode(&current.object),
+                    precondition: Precondition::Revision(current.revision),
+                }])
+                .await
+            {
                 Ok(revision) => return Ok(Versioned { object: current.object, revision }),
                 Err(StoreError::Conflict { .. }) => continue,
                 Err(e) => return Err(e.into()),
@@ -247,8 +255,14 @@ impl Registry {
             match self.store.txn(vec![Op::Put { key: key.clone(), value: encode(&machine), precondition }]).await {
                 Ok(revision) => {
                     if current.as_ref().is_none_or(|c| c.object.metadata.generation != machine.metadata.generation) {
-                        self.record_event(name.as_str(), "Normal", "SpecChanged", &format!("generation {}", machine.metadata.generation), "controller")
-                            .await?;
+                        self.record_event(
+                            name.as_str(),
+                            "Normal",
+                            "SpecChanged",
+                            &format!("generation {}", machine.metadata.generation),
+                            "controller",
+                        )
+                        .await?;
                     }
                     return Ok(Versioned { object: machine, revision });
                 }
@@ -284,9 +298,10 @@ impl Registry {
         let key = format!("{POOLS}{name}");
         let current: Option<Versioned<MachinePool>> = self.get(&key).await?;
         if let Some(rv) = expected
-            && current.as_ref().map(|c| c.revision) != Some(rv) {
-                return Err(ApiError::Conflict(format!("pool {name} changed since resourceVersion {rv}: read it again")));
-            }
+            && current.as_ref().map(|c| c.revision) != Some(rv)
+        {
+            return Err(ApiError::Conflict(format!("pool {name} changed since resourceVersion {rv}: read it again")));
+        }
         let (pool, precondition) = match &current {
             Some(cur) => {
                 let mut p = cur.object.clone();
@@ -345,11 +360,12 @@ impl Registry {
                     let pool = owning_pool(&pools, &machine.metadata.labels);
                     let mut changed = false;
                     if let Some(p) = pool
-                        && machine.spec != p.spec.template.spec {
-                            machine.spec = p.spec.template.spec.clone();
-                            machine.metadata.generation += 1;
-                            changed = true;
-                        }
+                        && machine.spec != p.spec.template.spec
+                    {
+                        machine.spec = p.spec.template.spec.clone();
+                        machine.metadata.generation += 1;
+                        changed = true;
+                    }
                     let want = pool.and_then(|p| p.metadata.name.clone());
                     if machine.status.pool != want {
                         machine.status.pool = want;
@@ -360,7 +376,11 @@ impl Registry {
                 .await;
             match result {
                 Ok(updated) if spec_differs => {
-                    let message = format!("generation {} from pool {}", updated.object.metadata.generation, want_pool.as_ref().map(Name::as_str).unwrap_or(""));
+                    let message = format!(
+                        "generation {} from pool {}",
+                        updated.object.metadata.generation,
+                        want_pool.as_ref().map(Name::as_str).unwrap_or("")
+                    );
                     self.record_event(&name, "Normal", "SpecChanged", &message, "controller").await?;
                 }
                 Ok(_) | Err(ApiError::NotFound(_)) => {}
@@ -420,7 +440,14 @@ impl Registry {
                         return Ok(false);
                     }
                     machine.status.phase = Some(Phase::Unreachable);
-                    Ok(set_condition(&mut machine.status.conditions, condition::REACHABLE, ConditionStatus::False, "HeartbeatTimeout", &message, now))
+                    Ok(set_condition(
+                        &mut machine.status.conditions,
+                        condition::REACHABLE,
+                        ConditionStatus::False,
+                        "HeartbeatTimeout",
+                        &message,
+                        now,
+                    ))
                 })
                 .await;
             match result {
@@ -436,7 +463,13 @@ impl Registry {
     }
 
     pub async fn record_event(&self, name: &str, type_: &str, reason: &str, message: &str, source: &str) -> Result<(), ApiError> {
-        let event = Event { time: meta::now(), type_: type_.to_owned(), reason: reason.to_owned(), message: message.to_owned(), source: source.to_owned() };
+        let event = Event {
+            time: meta::now(),
+            type_: type_.to_owned(),
+            reason: reason.to_owned(),
+            message: message.to_owned(),
+            source: source.to_owned(),
+        };
         self.append_events(name, vec![event]).await
     }
 
@@ -497,7 +530,11 @@ impl Registry {
             resource.metadata.creation_timestamp = Some(meta::now());
             resource.metadata.uid = Some(new_uid());
             let stored = StoredToken { token: resource.clone(), secret_sha256: sha256_hex(&secret) };
-            match self.store.txn(vec![Op::Put { key: format!("{TOKENS}{id}"), value: encode(&stored), precondition: Precondition::Absent }]).await {
+            match self
+                .store
+                .txn(vec![Op::Put { key: format!("{TOKENS}{id}"), value: encode(&stored), precondition: Precondition::Absent }])
+                .await
+            {
                 Ok(revision) => {
                     resource.metadata.resource_version = Some(revision.to_string());
                     return Ok(TokenCreated { token: token.to_string(), resource });
@@ -580,7 +617,11 @@ impl Registry {
             tok.status.usages += 1;
             let identity = Identity { serials: vec![issued.serial.clone()], enrolled_at: now };
             let ops = vec![
-                Op::Put { key: token_key, value: encode(&StoredToken { token: tok, secret_sha256: stored.object.secret_sha256 }), precondition: Precondition::Revision(stored.revision) },
+                Op::Put {
+                    key: token_key,
+                    value: encode(&StoredToken { token: tok, secret_sha256: stored.object.secret_sha256 }),
+                    precondition: Precondition::Revision(stored.revision),
+                },
                 Op::Put { key: machine_key, value: encode(&machine), precondition: machine_pre },
                 Op::Put {
                     key: identity_key,
@@ -590,7 +631,14 @@ impl Registry {
             ];
             match self.store.txn(ops).await {
                 Ok(_) => {
-                    self.record_event(name.as_str(), "Normal", "Enrolled", &format!("with token {}, certificate serial {}", token.id, issued.serial), "controller").await?;
+                    self.record_event(
+                        name.as_str(),
+                        "Normal",
+                        "Enrolled",
+                        &format!("with token {}, certificate serial {}", token.id, issued.serial),
+                        "controller",
+                    )
+                    .await?;
                     return Ok(EnrollResponse { name, certificate: issued.cert_pem, ca_bundle: self.authority.cert_pem.clone() });
                 }
                 Err(StoreError::Conflict { .. }) => continue,
@@ -614,13 +662,30 @@ impl Registry {
         }
         let key = format!("{IDENTITIES}{name}");
         for _ in 0..CAS_ATTEMPTS {
-            let current: Versioned<Identity> = self.get(&key).await?.ok_or_else(|| ApiError::Forbidden(format!("machine {name} is not enrolled")))?;
+            let current: Versioned<Identity> =
+                self.get(&key).await?.ok_or_else(|| ApiError::Forbidden(format!("machine {name} is not enrolled")))?;
             let issued = self.authority.issue_machine(name, csr_pem).map_err(|e| ApiError::invalid("csr", e.to_string()))?;
-            let identity = Identity { serials: vec![issued.serial.clone(), presenting_serial.to_owned()], enrolled_at: current.object.enrolled_at };
-            match self.store.txn(vec![Op::Put { key: key.clone(), value: encode(&identity), precondition: Precondition::Revision(current.revision) }]).await {
+            let identity =
+                Identity { serials: vec![issued.serial.clone(), presenting_serial.to_owned()], enrolled_at: current.object.enrolled_at };
+            match self
+                .store
+                .txn(vec![Op::Put { key: key.clone(), value: encode(&identity), precondition: Precondition::Revision(current.revision) }])
+                .await
+            {
                 Ok(_) => {
-                    self.record_event(name.as_str(), "Normal", "CertificateRotated", &format!("new serial {}", issued.serial), "controller").await?;
-                    return Ok(EnrollResponse { name: name.clone(), certificate: issued.cert_pem, ca_bundle: self.authority.cert_pem.clone() });
+                    self.record_event(
+                        name.as_str(),
+                        "Normal",
+                        "CertificateRotated",
+                        &format!("new serial {}", issued.serial),
+                        "controller",
+                    )
+                    .await?;
+                    return Ok(EnrollResponse {
+                        name: name.clone(),
+                        certificate: issued.cert_pem,
+                        ca_bundle: self.authority.cert_pem.clone(),
+                    });
                 }
                 Err(StoreError::Conflict { .. }) => continue,
                 Err(e) => return Err(e.into()),

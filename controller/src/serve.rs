@@ -120,9 +120,10 @@ pub async fn run(opts: ServeOptions, cancel: CancellationToken) -> anyhow::Resul
     while let Some(joined) = tasks.join_next().await {
         let outcome = joined.map_err(anyhow::Error::from).and_then(|r| r);
         if let Err(e) = outcome
-            && result.is_ok() {
-                result = Err(e);
-            }
+            && result.is_ok()
+        {
+            result = Err(e);
+        }
         cancel.cancel();
     }
     result
@@ -131,9 +132,10 @@ pub async fn run(opts: ServeOptions, cancel: CancellationToken) -> anyhow::Resul
 /// Tells systemd the controller is ready when it runs as a notify service.
 fn sd_ready() {
     if std::env::var_os("NOTIFY_SOCKET").is_some()
-        && let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Ready]) {
-            tracing::warn!(error = %e, "could not notify systemd");
-        }
+        && let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Ready])
+    {
+        tracing::warn!(error = %e, "could not notify systemd");
+    }
 }
 
 async fn reachability_loop(app: Arc<App>, timeout: Duration, cancel: CancellationToken) -> anyhow::Result<()> {

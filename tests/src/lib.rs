@@ -160,11 +160,8 @@ impl ApiClient {
     pub fn new(base: &str, ca_pem: &str, identity: Option<(&str, &str)>) -> anyhow::Result<Self> {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let tls = keelson_api::tls::client_config(ca_pem, identity)?;
-        let http = reqwest::Client::builder()
-            .use_preconfigured_tls(tls)
-            .timeout(Duration::from_secs(120))
-            .pool_max_idle_per_host(4)
-            .build()?;
+        let http =
+            reqwest::Client::builder().use_preconfigured_tls(tls).timeout(Duration::from_secs(120)).pool_max_idle_per_host(4).build()?;
         Ok(ApiClient { http, base: base.to_owned() })
     }
 
@@ -193,7 +190,8 @@ impl ApiClient {
     }
 
     pub async fn raw_post(&self, path: &str, body: Vec<u8>) -> anyhow::Result<Answer> {
-        let response = self.http.post(format!("{}{}", self.base, path)).header("content-type", "application/json").body(body).send().await?;
+        let response =
+            self.http.post(format!("{}{}", self.base, path)).header("content-type", "application/json").body(body).send().await?;
         let status = response.status().as_u16();
         let text = response.text().await?;
         let body = serde_json::from_str(&text).unwrap_or(serde_json::Value::Null);

@@ -110,17 +110,37 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_changes() -> R {
     let before = revision(&admin).await?;
 
     let cases: Vec<(&str, serde_json::Value, &str)> = vec![
-        ("unknown field", json!({"apiVersion": "keelson.io/v1alpha1", "kind": "Machine", "metadata": {"name": "m2"}, "spec": {"rolez": []}}), "spec.rolez"),
+        (
+            "unknown field",
+            json!({"apiVersion": "keelson.io/v1alpha1", "kind": "Machine", "metadata": {"name": "m2"}, "spec": {"rolez": []}}),
+            "spec.rolez",
+        ),
         ("wrong kind", json!({"apiVersion": "keelson.io/v1alpha1", "kind": "Pod", "metadata": {"name": "m2"}}), "kind"),
         ("wrong apiVersion", json!({"apiVersion": "v1", "kind": "Machine", "metadata": {"name": "m2"}}), "apiVersion"),
         ("bad name", machine_json("M_2", json!({}), json!({})), "metadata.name"),
-        ("bad kubelet version", machine_json("m2", json!({}), json!({"roles": ["worker"], "kubelet": {"version": "1.3x", "source": {"package": "kubelet"}}})), "spec.kubelet.version"),
+        (
+            "bad kubelet version",
+            machine_json("m2", json!({}), json!({"roles": ["worker"], "kubelet": {"version": "1.3x", "source": {"package": "kubelet"}}})),
+            "spec.kubelet.version",
+        ),
         (
             "bad digest",
-            machine_json("m2", json!({}), json!({"roles": ["worker"], "kubelet": {"version": "1.30.4", "source": {"url": "https://a.invalid/k", "sha256": "xyz"}}})),
+            machine_json(
+                "m2",
+                json!({}),
+                json!({"roles": ["worker"], "kubelet": {"version": "1.30.4", "source": {"url": "https://a.invalid/k", "sha256": "xyz"}}}),
+            ),
             "spec.kubelet.source.sha256",
         ),
-        ("url without digest", machine_json("m2", json!({}), json!({"roles": ["worker"], "kubelet": {"version": "1.30.4", "source": {"url": "https://a.invalid/k"}}})), "spec.kubelet.source.sha256"),
+        (
+            "url without digest",
+            machine_json(
+                "m2",
+                json!({}),
+                json!({"roles": ["worker"], "kubelet": {"version": "1.30.4", "source": {"url": "https://a.invalid/k"}}}),
+            ),
+            "spec.kubelet.source.sha256",
+        ),
         ("bad package version", machine_json("m2", json!({}), runtime_spec("not a version")), "spec.containerRuntime.version"),
     ];
     for (what, body, field) in cases {
@@ -149,7 +169,10 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_changes() -> R {
     // The CLI checks files before it sends anything.
     let files = tmp();
     let bad = files.path().join("bad.yaml");
-    std::fs::write(&bad, "apiVersion: keelson.io/v1alpha1\nkind: Machine\nmetadata: {name: m3}\nspec:\n  kubelet: {version: 1.3x, source: {package: kubelet}}\n")?;
+    std::fs::write(
+        &bad,
+        "apiVersion: keelson.io/v1alpha1\nkind: Machine\nmetadata: {name: m3}\nspec:\n  kubelet: {version: 1.3x, source: {package: kubelet}}\n",
+    )?;
     let out = c.cli(&["apply", "-f", bad.to_str().unwrap_or_default()])?;
     assert!(!out.status.success());
     let err = String::from_utf8(out.stderr)?;
@@ -208,7 +231,8 @@ async fn tokens_are_checked_hashed_expiring_and_limited() -> R {
     let contains = |hay: &[u8]| hay.windows(secret.len()).any(|w| w == secret.as_bytes());
     assert!(!contains(&db) && !contains(&wal), "token secret stored in clear");
     let listed = admin.get("/v1/machines").await?;
-    let names: Vec<&str> = listed.body["items"].as_array().map(|a| a.iter().filter_map(|m| m["metadata"]["name"].as_str()).collect()).unwrap_or_default();
+    let names: Vec<&str> =
+        listed.body["items"].as_array().map(|a| a.iter().filter_map(|m| m["metadata"]["name"].as_str()).collect()).unwrap_or_default();
     assert_eq!(names, vec!["m1"], "failed enrollments created nothing");
     Ok(())
 }
@@ -225,7 +249,12 @@ async fn enrollment_checks_the_csr_and_re_enrollment_needs_permission() -> R {
     let a = anon.post("/v1/enroll", &json!({"token": token, "csr": csr, "name": "m1"})).await?;
     assert_eq!(a.status, 400, "{}", a.text);
     assert_eq!(a.body["field"], "csr");
-    let garbage = anon.post("/v1/enroll", &json!({"token": token, "csr": "-----BEGIN CERTIFICATE REQUEST-----\nAAAA\n-----END CERTIFICATE REQUEST-----\n"})).await?;
+    let garbage = anon
+        .post(
+            "/v1/enroll",
+            &json!({"token": token, "csr": "-----BEGIN CERTIFICATE REQUEST-----\nAAAA\n-----END CERTIFICATE REQUEST-----\n"}),
+        )
+        .await?;
     assert_eq!(garbage.status, 400);
 
     let first_dir = tmp();
@@ -271,7 +300,8 @@ async fn identities_reach_only_what_they_may() -> R {
     // A certificate from another CA does not get through the TLS handshake.
     let other_dir = tmp();
     let other = Controller::start(other_dir.path(), &[])?;
-    let foreign_conf = keelson_api::config::ClientConfig::from_yaml(&std::fs::read_to_string(other.admin_conf())?).map_err(anyhow::Error::msg)?;
+    let foreign_conf =
+        keelson_api::config::ClientConfig::from_yaml(&std::fs::read_to_string(other.admin_conf())?).map_err(anyhow::Error::msg)?;
     let foreign = ApiClient::new(&c.url, &c.ca_pem()?, Some((&foreign_conf.client_certificate, &foreign_conf.client_key)))?;
     assert!(foreign.get("/v1/machines").await.is_err(), "a foreign certificate must be refused");
     assert_eq!(revision(&admin).await?, before);
@@ -333,7 +363,12 @@ async fn acknowledged_writes_survive_sigkill() -> R {
         let admin = admin.clone();
         tasks.push(tokio::spawn(async move {
             let name = format!("m{i:03}");
-            admin.put(&format!("/v1/machines/{name}"), &machine_json(&name, json!({"n": i.to_string()}), runtime_spec("1.6.20~ds1-1+deb12u2"))).await
+            admin
+                .put(
+                    &format!("/v1/machines/{name}"),
+                    &machine_json(&name, json!({"n": i.to_string()}), runtime_spec("1.6.20~ds1-1+deb12u2")),
+                )
+                .await
         }));
     }
     let mut acknowledged = 0;

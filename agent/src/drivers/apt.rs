@@ -15,7 +15,8 @@ const QUERY_TIMEOUT_SECS: u64 = 120;
 const LOCK_WAIT: &str = "DPkg::Lock::Timeout=600";
 /// KEELSON_AGENT_APT tells keelson-agent's own maintainer scripts that the agent started this
 /// run, so they must not restart it mid-step (it restarts itself afterwards).
-const ENV: &[(&str, &str)] = &[("DEBIAN_FRONTEND", "noninteractive"), ("APT_LISTCHANGES_FRONTEND", "none"), ("NEEDRESTART_MODE", "l"), ("KEELSON_AGENT_APT", "1")];
+const ENV: &[(&str, &str)] =
+    &[("DEBIAN_FRONTEND", "noninteractive"), ("APT_LISTCHANGES_FRONTEND", "none"), ("NEEDRESTART_MODE", "l"), ("KEELSON_AGENT_APT", "1")];
 
 #[derive(Debug, thiserror::Error)]
 pub enum AptError {
@@ -26,7 +27,8 @@ pub enum AptError {
 }
 
 pub async fn update() -> Result<(), AptError> {
-    run(&["apt-get", "update", "-q", "-o", "APT::Update::Error-Mode=any", "-o", LOCK_WAIT], ENV, Duration::from_secs(UPDATE_TIMEOUT_SECS)).await?;
+    run(&["apt-get", "update", "-q", "-o", "APT::Update::Error-Mode=any", "-o", LOCK_WAIT], ENV, Duration::from_secs(UPDATE_TIMEOUT_SECS))
+        .await?;
     Ok(())
 }
 

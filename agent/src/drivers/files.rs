@@ -35,13 +35,21 @@ pub fn write(path: &str, content: &str, mode: u32, owner: Option<&str>) -> Resul
     if let Some(dir) = p.parent() {
         std::fs::create_dir_all(dir).map_err(|source| StateError { path: dir.to_owned(), source })?;
     }
-    let ids = owner.map(resolve_owner).transpose().map_err(|message| FileError::Owner { path: path.into(), owner: owner.unwrap_or_default().into(), message })?;
+    let ids = owner.map(resolve_owner).transpose().map_err(|message| FileError::Owner {
+        path: path.into(),
+        owner: owner.unwrap_or_default().into(),
+        message,
+    })?;
     write_atomic(p, content.as_bytes(), mode)?;
     // The umask may have narrowed the mode at creation.
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).map_err(|source| StateError { path: p.to_owned(), source })?;
     if let Some((uid, gid)) = ids {
-        std::os::unix::fs::chown(p, Some(uid), gid).map_err(|e| FileError::Owner { path: path.into(), owner: owner.unwrap_or_default().into(), message: e.to_string() })?;
+        std::os::unix::fs::chown(p, Some(uid), gid).map_err(|e| FileError::Owner {
+            path: path.into(),
+            owner: owner.unwrap_or_default().into(),
+            message: e.to_string(),
+        })?;
     }
     Ok(())
 }

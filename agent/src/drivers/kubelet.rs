@@ -33,7 +33,9 @@ WantedBy=multi-user.target
 /// keelson's settings for the kubelet: the cgroup driver must match containerd's.
 pub fn dropin_content(systemd_cgroup: bool) -> String {
     let driver = if systemd_cgroup { "systemd" } else { "cgroupfs" };
-    format!("# Managed by keelson-agent: changes are overwritten.\n[Service]\nEnvironment=\"KEELSON_KUBELET_ARGS=--cgroup-driver={driver} --container-runtime-endpoint=unix:///run/containerd/containerd.sock\"\n")
+    format!(
+        "# Managed by keelson-agent: changes are overwritten.\n[Service]\nEnvironment=\"KEELSON_KUBELET_ARGS=--cgroup-driver={driver} --container-runtime-endpoint=unix:///run/containerd/containerd.sock\"\n"
+    )
 }
 
 /// `kubelet --version` prints `Kubernetes v1.30.4`.

@@ -83,7 +83,12 @@ pub async fn create_machine(State(app): State<Arc<App>>, peer: PeerExt, JsonBody
     Ok((StatusCode::CREATED, Json(stored.stamped())).into_response())
 }
 
-pub async fn put_machine(State(app): State<Arc<App>>, peer: PeerExt, Path(name): Path<String>, JsonBody(mut m): JsonBody<Machine>) -> ApiResult<Json<Machine>> {
+pub async fn put_machine(
+    State(app): State<Arc<App>>,
+    peer: PeerExt,
+    Path(name): Path<String>,
+    JsonBody(mut m): JsonBody<Machine>,
+) -> ApiResult<Json<Machine>> {
     require_admin(&peer)?;
     reconcile_name(&path_name(&name)?, &mut m.metadata)?;
     validate_machine(&m)?;
@@ -108,7 +113,10 @@ pub async fn machine_events(State(app): State<Arc<App>>, peer: PeerExt, Path(nam
 /// A pool's status counts, from its members as they are now.
 fn with_status(mut pool: MachinePool, pools: &[Versioned<MachinePool>], machines: &[Versioned<Machine>]) -> MachinePool {
     let name = pool.metadata.name.clone();
-    let members = machines.iter().map(|m| &m.object).filter(|m| owning_pool(pools, &m.metadata.labels).and_then(|p| p.metadata.name.as_ref()) == name.as_ref());
+    let members = machines
+        .iter()
+        .map(|m| &m.object)
+        .filter(|m| owning_pool(pools, &m.metadata.labels).and_then(|p| p.metadata.name.as_ref()) == name.as_ref());
     let is = |m: &Machine, t: &str, s: ConditionStatus| find_condition(&m.status.conditions, t).is_some_and(|c| c.status == s);
     let mut status = PoolStatus { revision: pool.status.revision, conditions: pool.status.conditions.clone(), ..Default::default() };
     for m in members {
@@ -144,7 +152,11 @@ pub async fn get_pool(State(app): State<Arc<App>>, peer: PeerExt, Path(name): Pa
     require_admin(&peer)?;
     let name = path_name(&name)?;
     let (pools, _) = app.registry.list::<MachinePool>(POOLS).await?;
-    let pool = pools.iter().find(|p| p.object.metadata.name.as_ref() == Some(&name)).cloned().ok_or_else(|| ApiError::NotFound(format!("pool {name:?} not found")))?;
+    let pool = pools
+        .iter()
+        .find(|p| p.object.metadata.name.as_ref() == Some(&name))
+        .cloned()
+        .ok_or_else(|| ApiError::NotFound(format!("pool {name:?} not found")))?;
     let (machines, _) = app.registry.list::<Machine>(MACHINES).await?;
     Ok(Json(with_status(pool.stamped(), &pools, &machines)))
 }
@@ -159,7 +171,12 @@ pub async fn create_pool(State(app): State<Arc<App>>, peer: PeerExt, JsonBody(p)
     Ok((StatusCode::CREATED, Json(app.registry.apply_pool(p).await?.stamped())).into_response())
 }
 
-pub async fn put_pool(State(app): State<Arc<App>>, peer: PeerExt, Path(name): Path<String>, JsonBody(mut p): JsonBody<MachinePool>) -> ApiResult<Json<MachinePool>> {
+pub async fn put_pool(
+    State(app): State<Arc<App>>,
+    peer: PeerExt,
+    Path(name): Path<String>,
+    JsonBody(mut p): JsonBody<MachinePool>,
+) -> ApiResult<Json<MachinePool>> {
     require_admin(&peer)?;
     reconcile_name(&path_name(&name)?, &mut p.metadata)?;
     validate_pool(&p)?;
@@ -187,11 +204,19 @@ pub async fn list_tokens(State(app): State<Arc<App>>, peer: PeerExt) -> ApiResul
 pub async fn get_token(State(app): State<Arc<App>>, peer: PeerExt, Path(name): Path<String>) -> ApiResult<Json<BootstrapToken>> {
     require_admin(&peer)?;
     let name = path_name(&name)?;
-    let stored = app.registry.get::<StoredToken>(&format!("{TOKENS}{name}")).await?.ok_or_else(|| ApiError::NotFound(format!("token {name:?} not found")))?;
+    let stored = app
+        .registry
+        .get::<StoredToken>(&format!("{TOKENS}{name}"))
+        .await?
+        .ok_or_else(|| ApiError::NotFound(format!("token {name:?} not found")))?;
     Ok(Json(token_resource(stored)))
 }
 
-pub async fn create_token(State(app): State<Arc<App>>, peer: PeerExt, JsonBody(req): JsonBody<TokenRequest>) -> ApiResult<(StatusCode, Json<TokenCreated>)> {
+pub async fn create_token(
+    State(app): State<Arc<App>>,
+    peer: PeerExt,
+    JsonBody(req): JsonBody<TokenRequest>,
+) -> ApiResult<(StatusCode, Json<TokenCreated>)> {
     require_admin(&peer)?;
     Ok((StatusCode::CREATED, Json(app.registry.create_token(req).await?)))
 }
@@ -199,7 +224,12 @@ pub async fn create_token(State(app): State<Arc<App>>, peer: PeerExt, JsonBody(r
 pub async fn delete_token(State(app): State<Arc<App>>, peer: PeerExt, Path(name): Path<String>) -> ApiResult<StatusCode> {
     require_admin(&peer)?;
     let name = path_name(&name)?;
-    match app.registry.store.txn(vec![crate::store::Op::Delete { key: format!("{TOKENS}{name}"), precondition: crate::store::Precondition::Exists }]).await {
+    match app
+        .registry
+        .store
+        .txn(vec![crate::store::Op::Delete { key: format!("{TOKENS}{name}"), precondition: crate::store::Precondition::Exists }])
+        .await
+    {
         Ok(_) => Ok(StatusCode::NO_CONTENT),
         Err(crate::store::StoreError::Conflict { .. }) => Err(ApiError::NotFound(format!("token {name:?} not found"))),
         Err(e) => Err(e.into()),
@@ -216,7 +246,12 @@ fn stamped_value<T: DeserializeOwned + serde::Serialize + HasMeta>(e: &Entry) ->
 /// Streams changes under `prefix` after `resourceVersion` as newline-delimited JSON. A
 /// watcher that falls behind, or asks for a compacted revision, gets an ERROR event (or 410)
 /// and lists again.
-async fn watch(app: Arc<App>, prefix: &'static str, from: Option<&str>, render: fn(&Entry) -> Option<serde_json::Value>) -> ApiResult<Response> {
+async fn watch(
+    app: Arc<App>,
+    prefix: &'static str,
+    from: Option<&str>,
+    render: fn(&Entry) -> Option<serde_json::Value>,
+) -> ApiResult<Response> {
     let from = match from {
         Some(s) => s.parse::<u64>().map_err(|_| ApiError::invalid("resourceVersion", format!("{s:?} is not a resourceVersion")))?,
         None => app.registry.store.revision(),
@@ -231,7 +266,9 @@ async fn watch(app: Arc<App>, prefix: &'static str, from: Option<&str>, render: 
             };
             let event = match next {
                 None => return,
-                Some(Err(e)) => WatchEvent { type_: "ERROR".into(), object: serde_json::json!({"reason": "Gone", "message": e.to_string()}) },
+                Some(Err(e)) => {
+                    WatchEvent { type_: "ERROR".into(), object: serde_json::json!({"reason": "Gone", "message": e.to_string()}) }
+                }
                 Some(Ok(change)) => {
                     let Some(object) = render(&change.entry) else { continue };
                     let type_ = if change.deleted {

@@ -90,7 +90,11 @@ pub struct RotateRequest {
     csr: String,
 }
 
-pub async fn rotate_certificate(State(app): State<Arc<App>>, peer: PeerExt, JsonBody(req): JsonBody<RotateRequest>) -> ApiResult<Json<EnrollResponse>> {
+pub async fn rotate_certificate(
+    State(app): State<Arc<App>>,
+    peer: PeerExt,
+    JsonBody(req): JsonBody<RotateRequest>,
+) -> ApiResult<Json<EnrollResponse>> {
     let (name, serial) = require_machine(&app, &peer).await?;
     Ok(Json(app.registry.rotate_certificate(&name, &serial, &req.csr).await?))
 }
@@ -103,7 +107,11 @@ pub struct LeaseRequest {
 }
 
 /// 201 with the lease when the budget allows; 429 with the reason to wait otherwise.
-pub async fn acquire_disruption(State(app): State<Arc<App>>, peer: PeerExt, JsonBody(req): JsonBody<LeaseRequest>) -> ApiResult<axum::response::Response> {
+pub async fn acquire_disruption(
+    State(app): State<Arc<App>>,
+    peer: PeerExt,
+    JsonBody(req): JsonBody<LeaseRequest>,
+) -> ApiResult<axum::response::Response> {
     use axum::response::IntoResponse;
     let (name, _) = require_machine(&app, &peer).await?;
     if req.reason.is_empty() || req.reason.len() > 256 {
@@ -136,7 +144,11 @@ pub async fn renew_disruption(
     lease.map(Json).ok_or_else(|| ApiError::Internal("renewal returned no lease".into()))
 }
 
-pub async fn release_disruption(State(app): State<Arc<App>>, peer: PeerExt, axum::extract::Path(id): axum::extract::Path<String>) -> ApiResult<StatusCode> {
+pub async fn release_disruption(
+    State(app): State<Arc<App>>,
+    peer: PeerExt,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> ApiResult<StatusCode> {
     let (name, _) = require_machine(&app, &peer).await?;
     app.registry.update_lease(&name, &id, None).await?;
     Ok(StatusCode::NO_CONTENT)

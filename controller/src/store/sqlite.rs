@@ -113,10 +113,7 @@ impl SqliteStore {
         let (changes, _) = broadcast::channel(BROADCAST_CAPACITY);
         let (requests, queue) = mpsc::unbounded_channel();
         let writer = Writer { conn, committed: committed.clone(), changes: changes.clone() };
-        std::thread::Builder::new()
-            .name("store-writer".into())
-            .spawn(move || writer.run(queue))
-            .map_err(backend)?;
+        std::thread::Builder::new().name("store-writer".into()).spawn(move || writer.run(queue)).map_err(backend)?;
         Ok(SqliteStore { committed, requests, changes })
     }
 
@@ -135,12 +132,7 @@ impl Store for SqliteStore {
 
     async fn list(&self, prefix: &str) -> Result<Listing, StoreError> {
         let state = self.read();
-        let entries = state
-            .entries
-            .range(prefix.to_owned()..)
-            .take_while(|(k, _)| k.starts_with(prefix))
-            .map(|(_, e)| e.clone())
-            .collect();
+        let entries = state.entries.range(prefix.to_owned()..).take_while(|(k, _)| k.starts_with(prefix)).map(|(_, e)| e.clone()).collect();
         Ok(Listing { entries, revision: state.revision })
     }
 
@@ -159,12 +151,8 @@ impl Store for SqliteStore {
         if after + 1 < oldest && after < state.revision {
             return Err(StoreError::Compacted { requested: after, oldest });
         }
-        let backlog = state
-            .log
-            .iter()
-            .filter(|c| c.entry.mod_revision > after && c.entry.key.starts_with(prefix))
-            .map(|c| (**c).clone())
-            .collect();
+        let backlog =
+            state.log.iter().filter(|c| c.entry.mod_revision > after && c.entry.key.starts_with(prefix)).map(|c| (**c).clone()).collect();
         Ok(Watch::new(prefix.to_owned(), backlog, live, after))
     }
 
@@ -233,7 +221,8 @@ impl Writer {
                         match op {
                             Op::Put { key, value, .. } => {
                                 let create_revision = current(key, &overlay).map_or(next, |e| e.create_revision);
-                                let entry = Entry { key: key.clone(), value: Arc::from(value.as_slice()), create_revision, mod_revision: next };
+                                let entry =
+                                    Entry { key: key.clone(), value: Arc::from(value.as_slice()), create_revision, mod_revision: next };
                                 overlay.insert(key.clone(), Some(entry.clone()));
                                 changes.push(Change { deleted: false, entry });
                             }
@@ -257,13 +246,14 @@ impl Writer {
             }
         }
         if revision != base_revision
-            && let Err(e) = self.write(&outcomes, revision) {
-                tracing::error!(error = %e, "store commit failed");
-                for request in batch {
-                    let _ = request.reply.send(Err(e.clone()));
-                }
-                return;
+            && let Err(e) = self.write(&outcomes, revision)
+        {
+            tracing::error!(error = %e, "store commit failed");
+            for request in batch {
+                let _ = request.reply.send(Err(e.clone()));
             }
+            return;
+        }
         {
             let mut state = self.committed.write().unwrap_or_else(|e| panic!("store state poisoned: {e}"));
             for (_, changes) in outcomes.iter().flatten() {
@@ -330,7 +320,10 @@ mod tests {
         assert!(matches!(store.put("/a/1", b"x".to_vec(), Precondition::Absent).await, Err(StoreError::Conflict { .. })));
         let r2 = store.put("/a/1", b"two".to_vec(), Precondition::Revision(r1)).await?;
         assert_eq!(r2, 2);
-        assert!(matches!(store.put("/a/1", b"x".to_vec(), Precondition::Revision(r1)).await, Err(StoreError::Conflict { found: Some(2), .. })));
+        assert!(matches!(
+            store.put("/a/1", b"x".to_vec(), Precondition::Revision(r1)).await,
+            Err(StoreError::Conflict { found: Some(2), .. })
+        ));
         let e = store.get("/a/1").await?.ok_or_else(|| anyhow::anyhow!("missing"))?;
         assert_eq!((&e.value[..], e.create_revision, e.mod_revision), (&b"two"[..], 1, 2));
         store.put("/b/1", b"b".to_vec(), Precondition::None).await?;

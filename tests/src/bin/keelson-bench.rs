@@ -80,12 +80,21 @@ async fn main() -> anyhow::Result<()> {
     // 1a. Status writes as fast as the machines can go: the ceiling.
     let saturated = status_phase(&machines, Duration::from_secs(args.status_seconds), None).await?;
     let saturated_per_second = saturated.len() as f64 / args.status_seconds as f64;
-    eprintln!("status, saturated: {saturated_per_second:.0}/s, p50 {:.1} ms, p99 {:.1} ms", percentile(&saturated, 50.0), percentile(&saturated, 99.0));
+    eprintln!(
+        "status, saturated: {saturated_per_second:.0}/s, p50 {:.1} ms, p99 {:.1} ms",
+        percentile(&saturated, 50.0),
+        percentile(&saturated, 99.0)
+    );
     // 1b. Status writes at the offered rate: the latency a fleet sees.
     let interval = Duration::from_secs_f64(machines.len() as f64 / args.status_rate.max(1) as f64);
     let latencies = status_phase(&machines, Duration::from_secs(args.status_seconds), Some(interval)).await?;
     let writes_per_second = latencies.len() as f64 / args.status_seconds as f64;
-    eprintln!("status at {} offered/s: {writes_per_second:.0}/s done, p50 {:.1} ms, p99 {:.1} ms", args.status_rate, percentile(&latencies, 50.0), percentile(&latencies, 99.0));
+    eprintln!(
+        "status at {} offered/s: {writes_per_second:.0}/s done, p50 {:.1} ms, p99 {:.1} ms",
+        args.status_rate,
+        percentile(&latencies, 50.0),
+        percentile(&latencies, 99.0)
+    );
 
     // 2. Fan-out of a template change to every long-polling machine.
     let mut fanout_p99 = Vec::new();
@@ -116,7 +125,12 @@ async fn main() -> anyhow::Result<()> {
             delays.push(t??.duration_since(changed_at).as_secs_f64() * 1000.0);
         }
         delays.sort_by(f64::total_cmp);
-        eprintln!("fan-out round {round}: p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms", percentile(&delays, 50.0), percentile(&delays, 99.0), percentile(&delays, 100.0));
+        eprintln!(
+            "fan-out round {round}: p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms",
+            percentile(&delays, 50.0),
+            percentile(&delays, 99.0),
+            percentile(&delays, 100.0)
+        );
         fanout_p99.push(percentile(&delays, 99.0));
         fanout_max.push(percentile(&delays, 100.0));
     }
