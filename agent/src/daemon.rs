@@ -5,7 +5,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use keelson_api::machine::{MachineSpec, Versions};
 use keelson_api::meta::{ConditionStatus, condition, find_condition};
 use keelson_api::wire::{AgentSpec, AgentStatus};
 use tokio::sync::watch;
@@ -67,26 +66,6 @@ async fn ensure_enrolled(config: &AgentConfig, cancel: &CancellationToken) -> an
             _ = cancel.cancelled() => anyhow::bail!("shut down before enrolling"),
         }
     }
-}
-
-/// Versions of what keelson manages, as installed now.
-fn observed_versions(spec: &MachineSpec) -> Versions {
-    let mut v = Versions::default();
-    let Ok(o) = crate::observe::observe(std::path::Path::new("/"), spec) else { return v };
-    v.kernel = Some(o.running_kernel.clone());
-    if let Some(os) = &spec.os {
-        for p in &os.packages {
-            if let Some(i) = o.packages.get(p.name.as_str()) {
-                v.os.insert(p.name.to_string(), i.version.clone());
-            }
-        }
-    }
-    if let Some(rt) = &spec.container_runtime {
-        let name = rt.source.package.as_ref().map(|p| p.to_string()).unwrap_or_else(|| "containerd".into());
-        v.container_runtime = o.packages.get(&name).map(|i| i.version.clone());
-    }
-    v.kubelet = o.kubelet_version.clone();
-    v
 }
 
 pub async fn run(config: AgentConfig, cancel: CancellationToken) -> anyhow::Result<()> {
@@ -214,7 +193,7 @@ async fn send_status(
             phase: state.phase,
             observed_generation: state.observed_generation,
             conditions: state.conditions,
-            versions: observed_versions(&desired),
+            versions: state.versions.clone(),
             facts: first.then(|| facts.clone()),
             current_step: state.current_step.clone(),
         };
@@ -301,7 +280,9 @@ async fn reconcile_loop(
     loop {
         let current = spec.borrow_and_update().clone();
         let Some(current) = current else { continue };
+        reconciler.refresh_versions(&current.spec);
         let outcome = reconciler.reconcile(current.generation, &current.spec).await;
+        reconciler.refresh_versions(&current.spec);
         tracing::info!(generation = current.generation, ?outcome, "reconcile pass ended");
         match outcome {
             Outcome::Rebooting | Outcome::Interrupted => {

@@ -22,8 +22,30 @@ pub fn collect() -> Facts {
         boot_id: read("/proc/sys/kernel/random/boot_id"),
         arch: Some(std::env::consts::ARCH.to_owned()),
         hostname: read("/proc/sys/kernel/hostname"),
-        addresses: Vec::new(),
+        addresses: addresses(),
     }
+}
+
+/// The machine's own addresses: every IPv4 and IPv6 address on an interface that is up,
+/// except loopback and IPv6 link-local ones, which other machines cannot reach.
+fn addresses() -> Vec<String> {
+    use nix::net::if_::InterfaceFlags;
+    let Ok(ifaddrs) = nix::ifaddrs::getifaddrs() else { return Vec::new() };
+    let mut out: Vec<std::net::IpAddr> = ifaddrs
+        .filter(|i| i.flags.contains(InterfaceFlags::IFF_UP) && !i.flags.contains(InterfaceFlags::IFF_LOOPBACK))
+        .filter_map(|i| {
+            let a = i.address?;
+            if let Some(v4) = a.as_sockaddr_in() {
+                return Some(std::net::IpAddr::V4(v4.ip()));
+            }
+            let v6 = a.as_sockaddr_in6()?.ip();
+            // fe80::/10
+            ((v6.segments()[0] & 0xffc0) != 0xfe80).then_some(std::net::IpAddr::V6(v6))
+        })
+        .collect();
+    out.sort();
+    out.dedup();
+    out.into_iter().map(|a| a.to_string()).collect()
 }
 
 /// `MemTotal:  24563452 kB` → bytes.
@@ -98,5 +120,8 @@ mod tests {
         assert!(f.cpus >= 1);
         assert!(f.memory_bytes > 0);
         assert!(f.kernel.is_some());
+        let parsed: Vec<std::net::IpAddr> = f.addresses.iter().filter_map(|a| a.parse().ok()).collect();
+        assert_eq!(parsed.len(), f.addresses.len(), "{:?}", f.addresses);
+        assert!(parsed.iter().all(|a| !a.is_loopback()), "{:?}", f.addresses);
     }
 }

@@ -10,6 +10,7 @@ pub mod drivers;
 pub mod enroll;
 pub mod facts;
 pub mod journal;
+pub mod ledger;
 pub mod observe;
 pub mod plan;
 pub mod reconcile;

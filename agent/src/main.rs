@@ -84,8 +84,9 @@ async fn plan_command(cli: &Cli, spec: &Option<PathBuf>) -> anyhow::Result<ExitC
             (answer.generation, answer.spec)
         }
     };
-    let observed = observe::observe(std::path::Path::new("/"), &spec)?;
     let state_dir = cli.state_dir.clone().unwrap_or_else(|| config::DEFAULT_STATE_DIR.into());
+    let ledger = keelson_agent::ledger::Ledger::load(&state_dir)?;
+    let observed = observe::observe(std::path::Path::new("/"), &ledger, &spec)?;
     let rebooted_for = journal::Journal::load(&state_dir).ok().flatten().and_then(|j| j.rebooted_for_generation);
     let steps = plan::plan(&spec, &observed, &plan::Context { generation, rebooted_for_generation: rebooted_for })?;
     if steps.is_empty() {

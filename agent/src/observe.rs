@@ -2,10 +2,12 @@
 //! database, /proc, the kernel symlinks and the managed files. Everything is read under a
 //! root directory so tests can observe a fake tree.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-use keelson_api::machine::MachineSpec;
+use keelson_api::machine::{MachineSpec, Versions};
+
+use crate::ledger::Ledger;
 use sha2::{Digest, Sha256};
 
 /// Where the agent keeps the repositories it manages.
@@ -39,6 +41,10 @@ pub struct Observed {
     pub files: BTreeMap<String, FileState>,
     /// What `kubelet --version` says, when the spec has a kubelet and one is installed.
     pub kubelet_version: Option<String>,
+    /// Bootstrap scripts that have succeeded here (from the ledger).
+    pub bootstrapped: BTreeSet<String>,
+    /// The digest of the containerd release tarball whose binaries are in place, unchanged.
+    pub runtime_artifact: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -82,8 +88,9 @@ pub fn kernel_from_image_name(target: &str) -> Option<String> {
     target.rsplit('/').next()?.strip_prefix("vmlinuz-").map(str::to_owned)
 }
 
-/// Observes the machine rooted at `root` for `spec`.
-pub fn observe(root: &Path, spec: &MachineSpec) -> Result<Observed, ObserveError> {
+/// Observes the machine rooted at `root` for `spec`; `ledger` says what keelson installed
+/// outside the package database.
+pub fn observe(root: &Path, ledger: &Ledger, spec: &MachineSpec) -> Result<Observed, ObserveError> {
     let at = |p: &str| root.join(p.trim_start_matches('/'));
     let status_path = at("var/lib/dpkg/status");
     let status = std::fs::read_to_string(&status_path).map_err(|e| ObserveError { path: status_path.clone(), message: e.to_string() })?;
@@ -92,6 +99,9 @@ pub fn observe(root: &Path, spec: &MachineSpec) -> Result<Observed, ObserveError
     let mut paths: Vec<String> = spec.files.iter().map(|f| f.path.clone()).collect();
     paths.push(format!("/{SOURCES_FILE}"));
     paths.push(format!("/{CONTAINERD_CONFIG}"));
+    if spec.container_runtime.as_ref().is_some_and(|r| r.source.url.is_some()) {
+        paths.push(crate::drivers::containerd::UNIT.to_owned());
+    }
     if spec.kubelet.is_some() {
         paths.push(crate::drivers::kubelet::UNIT.to_owned());
         paths.push(crate::drivers::kubelet::DROPIN.to_owned());
@@ -112,7 +122,28 @@ pub fn observe(root: &Path, spec: &MachineSpec) -> Result<Observed, ObserveError
         boot_id: read("proc/sys/kernel/random/boot_id"),
         files,
         kubelet_version: spec.kubelet.as_ref().and_then(|_| crate::drivers::kubelet::installed_version(root)),
+        bootstrapped: ledger.bootstrapped.clone(),
+        runtime_artifact: ledger.intact_runtime_artifact(root).map(|a| a.sha256.clone()),
     })
+}
+
+/// The versions of what `spec` manages, for the status.
+pub fn versions(o: &Observed, ledger: &Ledger, spec: &MachineSpec) -> Versions {
+    let mut v = Versions { kernel: Some(o.running_kernel.clone()), kubelet: o.kubelet_version.clone(), ..Versions::default() };
+    if let Some(os) = &spec.os {
+        for p in &os.packages {
+            if let Some(i) = o.packages.get(p.name.as_str()) {
+                v.os.insert(p.name.to_string(), i.version.clone());
+            }
+        }
+    }
+    if let Some(rt) = &spec.container_runtime {
+        v.container_runtime = match &rt.source.package {
+            Some(name) => o.packages.get(name.as_str()).map(|i| i.version.clone()),
+            None => o.runtime_artifact.as_ref().and(ledger.runtime_artifact.as_ref()).map(|a| a.version.clone()),
+        };
+    }
+    v
 }
 
 #[cfg(test)]

@@ -1,10 +1,15 @@
 //! The planner: a pure function from the desired spec and the observed machine to an ordered
-//! list of idempotent steps — repositories → OS packages → container runtime → files →
-//! reboot — each marked disruptive or not. It never touches the machine.
+//! list of idempotent steps, each marked disruptive or not. It never touches the machine.
+//!
+//! The order: preUpgrade scripts → repositories → OS packages → container runtime → kubelet →
+//! files → bootstrap scripts → reboot → postUpgrade scripts. preUpgrade and postUpgrade
+//! scripts run only when something else changes, so an up-to-date machine has an empty plan;
+//! a bootstrap script runs once per machine (the ledger remembers it by name).
 
 use std::cmp::Ordering;
+use std::collections::BTreeMap;
 
-use keelson_api::machine::{MachineSpec, RebootPolicy};
+use keelson_api::machine::{MachineSpec, RebootPolicy, ScriptSpec, ScriptWhen};
 use keelson_api::version::DebVersion;
 use serde::{Deserialize, Serialize};
 
@@ -26,10 +31,18 @@ pub enum Action {
     Hold {
         names: Vec<String>,
     },
-    /// Install the runtime package and/or write its configuration, restart it, check it.
+    /// Install the runtime (a package, or the binaries of a cached release tarball) and/or
+    /// write its configuration and unit, restart it, check it; roll back when it is unhealthy.
     Runtime {
         name: String,
+        /// From a release tarball, not a package: nothing to hold.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        tarball: bool,
         package: Option<Pin>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        artifact: Option<RuntimeArtifact>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        unit: Option<String>,
         config: Option<String>,
         previous: Option<String>,
     },
@@ -46,16 +59,38 @@ pub enum Action {
     },
     /// Install the kubelet binary from the cached artifact (when `artifact` is set) and/or its
     /// unit and drop-in, restart it, check its health; roll back the binary if it is not healthy.
+    /// With `package`, the kubelet comes from that package (the version whose upstream part
+    /// is `version`), with the package's own unit; `previous_package` is what to go back to.
     Kubelet {
         artifact: Option<String>,
         version: String,
         unit: Option<String>,
         dropin: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        package: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        previous_package: Option<String>,
+    },
+    /// Run an operator's script; a bootstrap script is recorded in the ledger once it succeeds.
+    Script {
+        name: String,
+        when: ScriptWhen,
+        run: Vec<String>,
+        #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+        env: BTreeMap<String, String>,
+        timeout_seconds: u32,
     },
     /// Reboot, and after boot check that `expected_kernel` (when known) is running.
     Reboot {
         reason: String,
     },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RuntimeArtifact {
+    pub sha256: String,
+    pub version: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -135,23 +170,8 @@ fn file_differs(observed: &Observed, path: &str, content: &str, mode: u32) -> bo
 }
 
 pub fn plan(spec: &MachineSpec, observed: &Observed, ctx: &Context) -> Result<Vec<Step>, PlanError> {
-    if spec.kubelet.as_ref().is_some_and(|k| k.source.url.is_none()) {
-        return Err(PlanError::Unsupported {
-            field: "spec.kubelet.source",
-            message: "this agent installs the kubelet from a url artifact only; packages come later".into(),
-        });
-    }
     if spec.etcd.is_some() {
         return Err(PlanError::Unsupported { field: "spec.etcd", message: "this agent does not manage etcd members yet".into() });
-    }
-    if !spec.scripts.is_empty() {
-        return Err(PlanError::Unsupported { field: "spec.scripts", message: "this agent does not run scripts yet".into() });
-    }
-    if spec.container_runtime.as_ref().is_some_and(|r| r.source.package.is_none()) {
-        return Err(PlanError::Unsupported {
-            field: "spec.containerRuntime.source",
-            message: "this agent installs containerd from a package only; url sources come later".into(),
-        });
     }
     let mut steps = Vec::new();
     let mut kernel_changes = false;
@@ -201,57 +221,134 @@ pub fn plan(spec: &MachineSpec, observed: &Observed, ctx: &Context) -> Result<Ve
     }
 
     if let Some(rt) = &spec.container_runtime {
-        let name = rt.source.package.as_ref().map(|p| p.to_string()).unwrap_or_default();
-        let installed = observed.packages.get(&name);
-        let package = match installed {
-            Some(i) if same_version(&i.version, &rt.version) => None,
-            _ => Some(Pin { name: name.clone(), version: rt.version.clone() }),
-        };
         let wanted_config = render_containerd_config(rt.config.systemd_cgroup);
         let config = file_differs(observed, &format!("/{CONTAINERD_CONFIG}"), &wanted_config, 0o644).then_some(wanted_config);
-        let unheld = installed.is_some_and(|i| !i.held) && package.is_none();
-        if package.is_some() || config.is_some() {
-            let description = match &package {
-                Some(p) => format!("upgrade {} to {} and restart it", p.name, p.version),
-                None => "configure containerd and restart it".into(),
-            };
-            let previous = installed.map(|i| i.version.clone());
-            steps.push(Step { description, disruptive: true, action: Action::Runtime { name, package, config, previous } });
-        } else if unheld {
-            steps.push(Step { description: format!("hold {name}"), disruptive: false, action: Action::Hold { names: vec![name] } });
+        match (&rt.source.package, &rt.source.url, &rt.source.sha256) {
+            (_, Some(url), Some(sha256)) => {
+                use crate::drivers::containerd::{UNIT, UNIT_CONTENT};
+                let sha256 = sha256.to_string();
+                let binaries_differ = observed.runtime_artifact.as_deref() != Some(sha256.as_str());
+                let unit = file_differs(observed, UNIT, UNIT_CONTENT, 0o644).then(|| UNIT_CONTENT.to_owned());
+                if binaries_differ {
+                    steps.push(Step {
+                        description: format!("fetch containerd {}", rt.version),
+                        disruptive: false,
+                        action: Action::FetchArtifact { url: url.to_string(), sha256: sha256.clone() },
+                    });
+                }
+                if binaries_differ || unit.is_some() || config.is_some() {
+                    let description = if binaries_differ {
+                        format!("install containerd {} from its release tarball and restart it", rt.version)
+                    } else {
+                        "configure containerd and restart it".to_owned()
+                    };
+                    let artifact = binaries_differ.then(|| RuntimeArtifact { sha256, version: rt.version.clone() });
+                    steps.push(Step {
+                        description,
+                        disruptive: true,
+                        action: Action::Runtime {
+                            name: "containerd".into(),
+                            tarball: true,
+                            package: None,
+                            artifact,
+                            unit,
+                            config,
+                            previous: None,
+                        },
+                    });
+                }
+            }
+            (Some(package), _, _) => {
+                let name = package.to_string();
+                let installed = observed.packages.get(&name);
+                let package = match installed {
+                    Some(i) if same_version(&i.version, &rt.version) => None,
+                    _ => Some(Pin { name: name.clone(), version: rt.version.clone() }),
+                };
+                let unheld = installed.is_some_and(|i| !i.held) && package.is_none();
+                if package.is_some() || config.is_some() {
+                    let description = match &package {
+                        Some(p) => format!("upgrade {} to {} and restart it", p.name, p.version),
+                        None => "configure containerd and restart it".into(),
+                    };
+                    let previous = installed.map(|i| i.version.clone());
+                    steps.push(Step {
+                        description,
+                        disruptive: true,
+                        action: Action::Runtime { name, tarball: false, package, artifact: None, unit: None, config, previous },
+                    });
+                } else if unheld {
+                    steps.push(Step { description: format!("hold {name}"), disruptive: false, action: Action::Hold { names: vec![name] } });
+                }
+            }
+            // Validation requires a package or a url with its digest.
+            _ => {
+                return Err(PlanError::Unsupported {
+                    field: "spec.containerRuntime.source",
+                    message: "needs a package, or a url with its sha256".into(),
+                });
+            }
         }
     }
 
     if let Some(k) = &spec.kubelet {
-        use crate::drivers::kubelet::{DROPIN, UNIT, UNIT_CONTENT, dropin_content};
-        let systemd_cgroup = spec.container_runtime.as_ref().is_none_or(|r| r.config.systemd_cgroup);
         let version = k.version.to_string();
-        let unit = file_differs(observed, UNIT, UNIT_CONTENT, 0o644).then(|| UNIT_CONTENT.to_owned());
-        let dropin_wanted = dropin_content(systemd_cgroup);
-        let dropin = file_differs(observed, DROPIN, &dropin_wanted, 0o644).then_some(dropin_wanted);
         let binary_differs = observed.kubelet_version.as_deref() != Some(version.as_str());
-        let (url, sha256) = (
-            k.source.url.as_ref().map(|u| u.to_string()).unwrap_or_default(),
-            k.source.sha256.as_ref().map(|d| d.to_string()).unwrap_or_default(),
-        );
-        if binary_differs {
-            steps.push(Step {
-                description: format!("fetch kubelet {version}"),
-                disruptive: false,
-                action: Action::FetchArtifact { url, sha256: sha256.clone() },
-            });
-        }
-        if binary_differs || unit.is_some() || dropin.is_some() {
-            let description = if binary_differs {
-                format!("install kubelet {version} and restart it")
-            } else {
-                "configure the kubelet and restart it".to_owned()
-            };
-            steps.push(Step {
-                description,
-                disruptive: true,
-                action: Action::Kubelet { artifact: binary_differs.then_some(sha256), version, unit, dropin },
-            });
+        if let Some(package) = &k.source.package {
+            let name = package.to_string();
+            let installed = observed.packages.get(&name);
+            if binary_differs {
+                steps.push(Step {
+                    description: format!("install kubelet {version} from package {name} and restart it"),
+                    disruptive: true,
+                    action: Action::Kubelet {
+                        artifact: None,
+                        version,
+                        unit: None,
+                        dropin: None,
+                        package: Some(name),
+                        previous_package: installed.map(|i| i.version.clone()),
+                    },
+                });
+            } else if installed.is_some_and(|i| !i.held) {
+                steps.push(Step { description: format!("hold {name}"), disruptive: false, action: Action::Hold { names: vec![name] } });
+            }
+        } else {
+            use crate::drivers::kubelet::{DROPIN, UNIT, UNIT_CONTENT, dropin_content};
+            let systemd_cgroup = spec.container_runtime.as_ref().is_none_or(|r| r.config.systemd_cgroup);
+            let unit = file_differs(observed, UNIT, UNIT_CONTENT, 0o644).then(|| UNIT_CONTENT.to_owned());
+            let dropin_wanted = dropin_content(systemd_cgroup);
+            let dropin = file_differs(observed, DROPIN, &dropin_wanted, 0o644).then_some(dropin_wanted);
+            let (url, sha256) = (
+                k.source.url.as_ref().map(|u| u.to_string()).unwrap_or_default(),
+                k.source.sha256.as_ref().map(|d| d.to_string()).unwrap_or_default(),
+            );
+            if binary_differs {
+                steps.push(Step {
+                    description: format!("fetch kubelet {version}"),
+                    disruptive: false,
+                    action: Action::FetchArtifact { url, sha256: sha256.clone() },
+                });
+            }
+            if binary_differs || unit.is_some() || dropin.is_some() {
+                let description = if binary_differs {
+                    format!("install kubelet {version} and restart it")
+                } else {
+                    "configure the kubelet and restart it".to_owned()
+                };
+                steps.push(Step {
+                    description,
+                    disruptive: true,
+                    action: Action::Kubelet {
+                        artifact: binary_differs.then_some(sha256),
+                        version,
+                        unit,
+                        dropin,
+                        package: None,
+                        previous_package: None,
+                    },
+                });
+            }
         }
     }
 
@@ -276,10 +373,39 @@ pub fn plan(spec: &MachineSpec, observed: &Observed, ctx: &Context) -> Result<Ve
         _ if observed.reboot_required => Some("/run/reboot-required".to_owned()),
         _ => None,
     };
+    let changes = !steps.is_empty() || reboot_reason.is_some();
+    let scripts = |when: ScriptWhen| spec.scripts.iter().filter(move |s| s.when == when);
+    if changes {
+        let pre: Vec<Step> = scripts(ScriptWhen::PreUpgrade).map(script_step).collect();
+        steps.splice(0..0, pre);
+    }
+    steps.extend(scripts(ScriptWhen::Bootstrap).filter(|s| !observed.bootstrapped.contains(s.name.as_str())).map(script_step));
     if let Some(reason) = reboot_reason {
         steps.push(Step { description: format!("reboot ({reason})"), disruptive: true, action: Action::Reboot { reason } });
     }
+    if changes {
+        steps.extend(scripts(ScriptWhen::PostUpgrade).map(script_step));
+    }
     Ok(steps)
+}
+
+fn script_step(s: &ScriptSpec) -> Step {
+    let when = match s.when {
+        ScriptWhen::PreUpgrade => "preUpgrade",
+        ScriptWhen::PostUpgrade => "postUpgrade",
+        ScriptWhen::Bootstrap => "bootstrap",
+    };
+    Step {
+        description: format!("run {when} script {}", s.name),
+        disruptive: false,
+        action: Action::Script {
+            name: s.name.to_string(),
+            when: s.when,
+            run: s.run.clone(),
+            env: s.env.clone(),
+            timeout_seconds: s.timeout_seconds,
+        },
+    }
 }
 
 /// What the machine looks like after `steps` succeed: the planner's own model of each step,
@@ -312,13 +438,22 @@ pub fn apply_model(observed: &Observed, steps: &[Step]) -> Observed {
                     }
                 }
             }
-            Action::Runtime { name, package, config, .. } => {
+            Action::Runtime { name, tarball, package, artifact, unit, config, .. } => {
                 if let Some(p) = package {
                     o.packages.insert(p.name.clone(), crate::observe::Installed { version: p.version.clone(), held: true });
                 }
+                if let Some(a) = artifact {
+                    o.runtime_artifact = Some(a.sha256.clone());
+                }
                 // The step holds the runtime package whether or not it installed it.
-                if let Some(i) = o.packages.get_mut(name) {
+                if !tarball && let Some(i) = o.packages.get_mut(name) {
                     i.held = true;
+                }
+                if let Some(u) = unit {
+                    o.files.insert(
+                        crate::drivers::containerd::UNIT.to_owned(),
+                        crate::observe::FileState { sha256: sha256_hex(u.as_bytes()), mode: 0o644 },
+                    );
                 }
                 if let Some(c) = config {
                     o.files.insert(
@@ -331,14 +466,25 @@ pub fn apply_model(observed: &Observed, steps: &[Step]) -> Observed {
                 o.files.insert(path.clone(), crate::observe::FileState { sha256: sha256_hex(content.as_bytes()), mode: *mode });
             }
             Action::FetchArtifact { .. } => {}
-            Action::Kubelet { version, unit, dropin, .. } => {
+            Action::Kubelet { version, unit, dropin, package, .. } => {
                 o.kubelet_version = Some(version.clone());
+                if let Some(p) = package {
+                    // The exact package version is chosen when the step runs; only the hold matters here.
+                    o.packages
+                        .entry(p.clone())
+                        .or_insert_with(|| crate::observe::Installed { version: version.clone(), held: true })
+                        .held = true;
+                }
                 for (path, content) in [(crate::drivers::kubelet::UNIT, unit), (crate::drivers::kubelet::DROPIN, dropin)] {
                     if let Some(c) = content {
                         o.files.insert(path.to_owned(), crate::observe::FileState { sha256: sha256_hex(c.as_bytes()), mode: 0o644 });
                     }
                 }
             }
+            Action::Script { name, when: ScriptWhen::Bootstrap, .. } => {
+                o.bootstrapped.insert(name.clone());
+            }
+            Action::Script { .. } => {}
             Action::Reboot { .. } => {
                 o.reboot_required = false;
                 if let Some(k) = &o.boot_kernel {
@@ -432,13 +578,95 @@ mod tests {
         Ok(())
     }
 
+    fn spec_from(v: serde_json::Value) -> MachineSpec {
+        serde_json::from_value(v).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn shape(steps: &[Step]) -> Vec<(bool, &str)> {
+        steps.iter().map(|s| (s.disruptive, s.description.as_str())).collect()
+    }
+
     #[test]
     fn unsupported_parts_are_refused_not_ignored() {
-        let s: MachineSpec = serde_json::from_value(
-            serde_json::json!({"roles": ["worker"], "kubelet": {"version": "1.30.1", "source": {"package": "kubelet"}}}),
-        )
-        .unwrap_or_else(|e| panic!("{e}"));
-        assert!(matches!(plan(&s, &machine(), &Context::default()), Err(PlanError::Unsupported { field: "spec.kubelet.source", .. })));
+        let s = spec_from(
+            serde_json::json!({"roles": ["etcd"], "etcd": {"cluster": "main", "version": "3.5.1", "source": {"package": "etcd-server"}}}),
+        );
+        assert!(matches!(plan(&s, &machine(), &Context::default()), Err(PlanError::Unsupported { field: "spec.etcd", .. })));
+    }
+
+    #[test]
+    fn scripts_wrap_changes_and_bootstrap_runs_once() -> Result<(), PlanError> {
+        let s = spec_from(serde_json::json!({
+            "os": {"packages": [{"name": "linux-image-amd64", "version": "6.1.192-3"}]},
+            "scripts": [
+                {"name": "post", "when": "postUpgrade", "run": ["/bin/true"]},
+                {"name": "first", "when": "bootstrap", "run": ["/bin/true"]},
+                {"name": "pre", "when": "preUpgrade", "run": ["/bin/true"]},
+            ],
+        }));
+        let steps = plan(&s, &machine(), &Context::default())?;
+        assert_eq!(
+            shape(&steps),
+            vec![
+                (false, "run preUpgrade script pre"),
+                (false, "install linux-image-amd64=6.1.192-3"),
+                (false, "run bootstrap script first"),
+                (true, "reboot (new kernel)"),
+                (false, "run postUpgrade script post"),
+            ]
+        );
+        let after = apply_model(&machine(), &steps);
+        assert!(after.bootstrapped.contains("first"));
+        // Up to date: neither the bootstrap script again nor the upgrade scripts.
+        let mut done = after.clone();
+        done.running_kernel = "6.1.0-41-amd64".into();
+        assert!(plan(&s, &done, &Context::default())?.is_empty());
+        // Nothing to upgrade but a bootstrap script not yet run: only that.
+        let mut fresh = done;
+        fresh.bootstrapped.clear();
+        assert_eq!(shape(&plan(&s, &fresh, &Context::default())?), vec![(false, "run bootstrap script first")]);
+        Ok(())
+    }
+
+    #[test]
+    fn containerd_from_a_tarball_fetches_installs_and_then_rests() -> Result<(), PlanError> {
+        let sha = "c".repeat(64);
+        let s = spec_from(serde_json::json!({"containerRuntime": {"name": "containerd", "version": "1.7.22",
+            "source": {"url": "https://mirror.example/containerd-1.7.22-linux-amd64.tar.gz", "sha256": sha}}}));
+        let steps = plan(&s, &machine(), &Context::default())?;
+        assert_eq!(
+            shape(&steps),
+            vec![(false, "fetch containerd 1.7.22"), (true, "install containerd 1.7.22 from its release tarball and restart it")]
+        );
+        let Action::Runtime { tarball, artifact, unit, .. } = &steps[1].action else { panic!("{:?}", steps[1]) };
+        assert!(*tarball && unit.is_some());
+        assert_eq!(artifact.as_ref().map(|a| a.sha256.as_str()), Some(sha.as_str()));
+        let after = apply_model(&machine(), &steps);
+        assert!(!after.packages["containerd"].held, "a tarball install leaves the package alone");
+        assert!(plan(&s, &after, &Context::default())?.is_empty());
+        // The binaries replaced by hand: the ledger no longer vouches for them.
+        let mut drifted = after;
+        drifted.runtime_artifact = None;
+        assert_eq!(plan(&s, &drifted, &Context::default())?.len(), 2);
+        Ok(())
+    }
+
+    #[test]
+    fn a_kubelet_package_is_installed_held_and_restarted() -> Result<(), PlanError> {
+        let s = spec_from(serde_json::json!({"roles": ["worker"], "kubelet": {"version": "1.31.0", "source": {"package": "kubelet"}}}));
+        let mut o = machine();
+        o.kubelet_version = Some("v1.30.4".into());
+        o.packages.insert("kubelet".into(), Installed { version: "1.30.4-1.1".into(), held: true });
+        let steps = plan(&s, &o, &Context::default())?;
+        assert_eq!(shape(&steps), vec![(true, "install kubelet v1.31.0 from package kubelet and restart it")]);
+        let Action::Kubelet { previous_package, unit, .. } = &steps[0].action else { panic!("{:?}", steps[0]) };
+        assert_eq!((previous_package.as_deref(), unit.as_deref()), (Some("1.30.4-1.1"), None));
+        assert!(plan(&s, &apply_model(&o, &steps), &Context::default())?.is_empty());
+        // The right version, but someone unheld it.
+        let mut unheld = apply_model(&o, &steps);
+        unheld.packages.insert("kubelet".into(), Installed { version: "1.31.0-1.1".into(), held: false });
+        assert_eq!(shape(&plan(&s, &unheld, &Context::default())?), vec![(false, "hold kubelet")]);
+        Ok(())
     }
 
     #[test]
@@ -465,8 +693,10 @@ mod tests {
             proptest::option::of((arb_version(), any::<bool>())),
             any::<bool>(),
             proptest::collection::btree_map("/etc/f[0-3]", ("[a-c]{0,3}", prop_oneof![Just(0o644u32), Just(0o600)]), 0..3),
+            proptest::collection::btree_set("s[0-2]", 0..3),
+            proptest::option::of(prop_oneof![Just("a".repeat(64)), Just("b".repeat(64))]),
         )
-            .prop_map(|(pkgs, runtime, reboot_required, files)| Observed {
+            .prop_map(|(pkgs, runtime, reboot_required, files, bootstrapped, runtime_artifact)| Observed {
                 packages: pkgs
                     .into_iter()
                     .map(|(n, (v, held))| (format!("pkg-{n}"), Installed { version: v, held }))
@@ -478,7 +708,21 @@ mod tests {
                 boot_id: "b".into(),
                 files: files.into_iter().map(|(p, (c, m))| (p, FileState { sha256: sha256_hex(c.as_bytes()), mode: m })).collect(),
                 kubelet_version: None,
+                bootstrapped,
+                runtime_artifact,
             })
+    }
+
+    fn arb_script() -> impl Strategy<Value = ScriptSpec> {
+        ("s[0-2]", prop_oneof![Just(ScriptWhen::PreUpgrade), Just(ScriptWhen::PostUpgrade), Just(ScriptWhen::Bootstrap)]).prop_map(
+            |(name, when)| ScriptSpec {
+                name: name.parse().unwrap_or_else(|e| panic!("{e}")),
+                when,
+                run: vec!["/bin/true".into()],
+                timeout_seconds: 60,
+                env: BTreeMap::new(),
+            },
+        )
     }
 
     fn arb_spec() -> impl Strategy<Value = MachineSpec> {
@@ -487,14 +731,32 @@ mod tests {
             proptest::option::of(arb_version()),
             proptest::collection::btree_map("/etc/f[0-3]", ("[a-c]{0,3}", prop_oneof![Just(0o644u32), Just(0o600)]), 0..3),
             prop_oneof![Just(RebootPolicy::Never), Just(RebootPolicy::IfRequired)],
+            proptest::collection::btree_map("s[0-2]", arb_script(), 0..3),
+            proptest::option::of(prop_oneof![Just("a".repeat(64)), Just("b".repeat(64))]),
         )
-            .prop_map(|(pins, runtime, files, reboot)| {
+            .prop_map(|(pins, runtime, files, reboot, scripts, tarball)| {
                 let pins = pins.into_iter().map(|(n, v)| pin(&format!("pkg-{n}"), &v)).collect();
                 let files = files
                     .into_iter()
                     .map(|(path, (content, mode))| FileSpec { path, content, mode: FileMode(mode), owner: None })
                     .collect();
-                spec(pins, runtime.as_deref(), files, reboot)
+                let mut s = spec(pins, runtime.as_deref(), files, reboot);
+                // Unique names, as validation requires.
+                s.scripts = scripts
+                    .into_iter()
+                    .map(|(name, mut script)| {
+                        script.name = name.parse().unwrap_or_else(|e| panic!("{e}"));
+                        script
+                    })
+                    .collect();
+                if let (Some(rt), Some(sha)) = (&mut s.container_runtime, tarball) {
+                    rt.source = Source {
+                        package: None,
+                        url: Some("https://mirror.example/containerd.tar.gz".parse().unwrap_or_else(|e| panic!("{e}"))),
+                        sha256: Some(sha.parse().unwrap_or_else(|e| panic!("{e}"))),
+                    };
+                }
+                s
             })
     }
 
@@ -519,13 +781,23 @@ mod tests {
                 }
             }
             if let Some(rt) = &s.container_runtime {
-                m.packages.insert("containerd".into(), Installed { version: rt.version.clone(), held: true });
+                match &rt.source.sha256 {
+                    Some(sha) => {
+                        m.runtime_artifact = Some(sha.to_string());
+                        let unit = crate::drivers::containerd::UNIT_CONTENT;
+                        m.files.insert(crate::drivers::containerd::UNIT.into(), FileState { sha256: sha256_hex(unit.as_bytes()), mode: 0o644 });
+                    }
+                    None => {
+                        m.packages.insert("containerd".into(), Installed { version: rt.version.clone(), held: true });
+                    }
+                }
                 let config = render_containerd_config(rt.config.systemd_cgroup);
                 m.files.insert(format!("/{CONTAINERD_CONFIG}"), FileState { sha256: sha256_hex(config.as_bytes()), mode: 0o644 });
             }
             for f in &s.files {
                 m.files.insert(f.path.clone(), FileState { sha256: sha256_hex(f.content.as_bytes()), mode: f.mode.0 });
             }
+            m.bootstrapped.extend(s.scripts.iter().filter(|s| s.when == ScriptWhen::Bootstrap).map(|s| s.name.to_string()));
             prop_assert_eq!(plan(&s, &m, &Context::default()).map_err(|e| TestCaseError::fail(e.to_string()))?, Vec::<Step>::new());
         }
     }

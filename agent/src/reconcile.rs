@@ -23,14 +23,15 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use keelson_api::machine::{CurrentStep, MachineSpec, Phase};
+use keelson_api::machine::{CurrentStep, MachineSpec, Phase, Versions};
 use keelson_api::meta::{self, Condition, ConditionStatus, condition, set_condition};
 use keelson_api::wire::Event;
 use tokio_util::sync::CancellationToken;
 
 use crate::client::{Controller, LeaseAnswer};
-use crate::drivers::{apt, artifact, containerd, files, kubelet, systemd};
+use crate::drivers::{apt, artifact, containerd, files, kubelet, script, systemd};
 use crate::journal::{Journal, RebootRecord};
+use crate::ledger::{InstalledArtifact, Ledger};
 use crate::observe::{self, CONTAINERD_CONFIG, SOURCES_FILE};
 use crate::plan::{self, Action, Context, Step};
 
@@ -69,6 +70,8 @@ pub struct ReportState {
     pub conditions: Vec<Condition>,
     pub current_step: Option<CurrentStep>,
     pub events: Vec<Event>,
+    /// What is installed, as last observed (each pass and each drift check).
+    pub versions: Versions,
 }
 
 impl Report {
@@ -170,6 +173,18 @@ impl Reconciler {
         Outcome::Degraded { reason: reason.into(), message }
     }
 
+    /// Observes the versions of what the spec manages, for the status reports.
+    pub fn refresh_versions(&self, spec: &MachineSpec) {
+        let ledger = Ledger::load(&self.state_dir).unwrap_or_default();
+        match observe::observe(&Self::root(), &ledger, spec) {
+            Ok(o) => {
+                let versions = observe::versions(&o, &ledger, spec);
+                self.report.update_quietly(|s| s.versions = versions);
+            }
+            Err(e) => tracing::warn!(error = %e, "could not observe installed versions"),
+        }
+    }
+
     /// One pass for `generation`: resume the journal, or plan and carry out a new one.
     pub async fn reconcile(&self, generation: u64, spec: &MachineSpec) -> Outcome {
         let journal = match Journal::load(&self.state_dir) {
@@ -185,7 +200,11 @@ impl Reconciler {
             Some(j) if j.generation == generation && !j.is_done() => j,
             previous => {
                 let rebooted_for = previous.as_ref().and_then(|j| j.rebooted_for_generation);
-                let observed = match observe::observe(&Self::root(), spec) {
+                let ledger = match Ledger::load(&self.state_dir) {
+                    Ok(l) => l,
+                    Err(e) => return self.degraded(generation, "LedgerUnreadable", e.to_string()),
+                };
+                let observed = match observe::observe(&Self::root(), &ledger, spec) {
                     Ok(o) => o,
                     Err(e) => return self.degraded(generation, "ObserveFailed", e.to_string()),
                 };
@@ -408,8 +427,11 @@ impl Reconciler {
                 apt::hold(hold).await?;
             }
             Action::Hold { names } => apt::hold(names).await?,
-            Action::Runtime { name, package, config, previous } => {
-                self.runtime_step(name, package.as_ref(), config.as_deref(), previous.as_deref()).await?
+            Action::Runtime { name, tarball: false, package, config, previous, .. } => {
+                self.runtime_package_step(name, package.as_ref(), config.as_deref(), previous.as_deref()).await?
+            }
+            Action::Runtime { tarball: true, artifact, unit, config, .. } => {
+                self.runtime_tarball_step(artifact.as_ref(), unit.as_deref(), config.as_deref()).await?
             }
             Action::WriteFile { path, content, mode, owner } => files::write(path, content, *mode, owner.as_deref()).map_err(transient)?,
             Action::FetchArtifact { url, sha256 } => {
@@ -421,11 +443,17 @@ impl Reconciler {
                     Err(e) => return Err(transient(e)),
                 }
             }
-            Action::Kubelet { artifact: digest, version, unit, dropin } => {
+            Action::Kubelet { package: Some(package), version, previous_package, .. } => {
+                self.kubelet_package_step(package, version, previous_package.as_deref()).await?
+            }
+            Action::Kubelet { artifact: digest, version, unit, dropin, package: None, .. } => {
                 self.kubelet_step(digest.as_deref(), version, unit.as_deref(), dropin.as_deref()).await?
             }
+            Action::Script { name, when, run, env, timeout_seconds } => {
+                self.script_step(journal.generation, name, *when, run, env, *timeout_seconds).await?
+            }
             Action::Reboot { reason } => {
-                let observed = observe::observe(&Self::root(), &MachineSpec::default()).map_err(transient)?;
+                let observed = observe::observe(&Self::root(), &Ledger::default(), &MachineSpec::default()).map_err(transient)?;
                 journal.reboot =
                     Some(RebootRecord { boot_id_before: observed.boot_id.clone(), expected_kernel: observed.boot_kernel.clone() });
                 journal.rebooted_for_generation = Some(journal.generation);
@@ -442,7 +470,96 @@ impl Reconciler {
         Ok(StepDone::Done)
     }
 
-    async fn runtime_step(
+    async fn script_step(
+        &self,
+        generation: u64,
+        name: &str,
+        when: keelson_api::machine::ScriptWhen,
+        argv: &[String],
+        env: &std::collections::BTreeMap<String, String>,
+        timeout_seconds: u32,
+    ) -> Result<(), StepError> {
+        let mut env = env.clone();
+        env.insert("KEELSON_GENERATION".into(), generation.to_string());
+        env.insert("KEELSON_SCRIPT".into(), name.to_owned());
+        let r = script::run(argv, &env, Duration::from_secs(timeout_seconds.into())).await.map_err(transient)?;
+        let summary = r.summary();
+        if !r.succeeded() {
+            return Err(transient(format!("script {name} ({}): {summary}", argv.join(" "))));
+        }
+        self.report.event("Normal", "ScriptSucceeded", format!("script {name}: {summary}"));
+        if when == keelson_api::machine::ScriptWhen::Bootstrap {
+            Ledger::update(&self.state_dir, |l| {
+                l.bootstrapped.insert(name.to_owned());
+            })
+            .map_err(transient)?;
+        }
+        Ok(())
+    }
+
+    async fn runtime_tarball_step(
+        &self,
+        artifact: Option<&plan::RuntimeArtifact>,
+        unit: Option<&str>,
+        config: Option<&str>,
+    ) -> Result<(), StepError> {
+        let installed = match artifact {
+            Some(a) => {
+                let cached = artifact::cached(&self.state_dir, &a.sha256);
+                if !cached.exists() {
+                    return Err(transient(format!("artifact {} is not in the cache (fetch it first)", a.sha256)));
+                }
+                let stamps = containerd::install_tarball(&cached, std::path::Path::new(containerd::BIN_DIR)).map_err(|e| match e {
+                    containerd::TarballError::Invalid { .. } => StepError::Permanent(e.to_string()),
+                    other => transient(other),
+                })?;
+                Some((a, stamps))
+            }
+            None => None,
+        };
+        if let Some(u) = unit {
+            files::write(containerd::UNIT, u, 0o644, None).map_err(transient)?;
+        }
+        if let Some(c) = config {
+            files::write(&format!("/{CONTAINERD_CONFIG}"), c, 0o644, None).map_err(transient)?;
+        }
+        let ctr = format!("{}/ctr", containerd::BIN_DIR);
+        let checked = async {
+            systemd::daemon_reload_enable("containerd").await.map_err(|e| e.to_string())?;
+            systemd::restart("containerd").await.map_err(|e| e.to_string())?;
+            let serving = containerd::wait_healthy(&ctr).await.map_err(|e| e.to_string())?;
+            match installed.as_ref() {
+                Some((a, _)) if !containerd::same_release(&serving, &a.version) => {
+                    Err(format!("the daemon reports version {serving}, not {}", a.version))
+                }
+                _ => Ok(serving),
+            }
+        }
+        .await;
+        match (checked, installed) {
+            (Ok(serving), Some((a, stamps))) => {
+                tracing::info!(version = %serving, "containerd from the tarball answers");
+                Ledger::update(&self.state_dir, |l| {
+                    l.runtime_artifact = Some(InstalledArtifact { sha256: a.sha256.clone(), version: a.version.clone(), binaries: stamps });
+                })
+                .map_err(transient)
+            }
+            (Ok(_), None) => Ok(()),
+            (Err(health), Some((a, stamps))) => {
+                let what = match containerd::restore_binaries(&stamps) {
+                    Ok(()) => match systemd::restart("containerd").await {
+                        Ok(()) => "put the previous binaries back".to_owned(),
+                        Err(e) => format!("put the previous binaries back but could not restart containerd: {e}"),
+                    },
+                    Err(e) => format!("putting the previous binaries back failed: {e}"),
+                };
+                Err(StepError::Permanent(format!("containerd {} failed its health check ({health}); {what}", a.version)))
+            }
+            (Err(health), None) => Err(transient(format!("containerd failed its health check: {health}"))),
+        }
+    }
+
+    async fn runtime_package_step(
         &self,
         name: &str,
         package: Option<&plan::Pin>,
@@ -460,7 +577,7 @@ impl Reconciler {
             files::write(&format!("/{CONTAINERD_CONFIG}"), c, 0o644, None).map_err(transient)?;
         }
         systemd::restart("containerd").await.map_err(transient)?;
-        match containerd::wait_healthy().await {
+        match containerd::wait_healthy("ctr").await {
             Ok(version) => {
                 tracing::info!(%version, "containerd answers");
                 Ok(())
@@ -525,11 +642,50 @@ impl Reconciler {
         }
     }
 
+    async fn kubelet_package_step(&self, package: &str, version: &str, previous_package: Option<&str>) -> Result<(), StepError> {
+        apt::update().await?;
+        let offered = apt::offered(package).await?;
+        let Some(chosen) = apt::newest_of_release(&offered, version) else {
+            let offered = if offered.is_empty() { "none".to_owned() } else { offered.join(", ") };
+            return Err(StepError::Permanent(format!(
+                "apt: no version of {package} for kubelet {version} (the repositories offer: {offered})"
+            )));
+        };
+        let pin = plan::Pin { name: package.to_owned(), version: chosen.clone() };
+        apt::install(std::slice::from_ref(&pin)).await?;
+        apt::hold(&[package.to_owned()]).await?;
+        kubelet::restart().await.map_err(transient)?;
+        let installed = kubelet::installed_version(std::path::Path::new("/"));
+        let check = match installed.as_deref() {
+            Some(v) if v == version => kubelet::healthy().await,
+            other => Err(format!("{package} {chosen} reports {}, not {version}", other.unwrap_or("no version"))),
+        };
+        let Err(health) = check else { return Ok(()) };
+        let what = match previous_package {
+            Some(prev) => {
+                let back = plan::Pin { name: package.to_owned(), version: prev.to_owned() };
+                let rolled = async {
+                    apt::ensure_available(std::slice::from_ref(&back)).await?;
+                    apt::install(std::slice::from_ref(&back)).await?;
+                    kubelet::restart().await?;
+                    Ok::<(), apt::AptError>(())
+                }
+                .await;
+                match rolled {
+                    Ok(()) => format!("rolled back to {package} {prev}"),
+                    Err(e) => format!("rollback to {package} {prev} failed too: {e}"),
+                }
+            }
+            None => "there was no previous package to roll back to".to_owned(),
+        };
+        Err(StepError::Permanent(format!("kubelet {version} ({package} {chosen}) failed its check ({health}); {what}")))
+    }
+
     /// After the reboot: a new boot id means the machine rebooted; the kernel must be the one
     /// the boot loader was to start.
     async fn verify_reboot(&self, journal: &mut Journal) -> Result<StepDone, StepError> {
         let record = journal.reboot.clone().ok_or_else(|| transient("no reboot record"))?;
-        let observed = observe::observe(&Self::root(), &MachineSpec::default()).map_err(transient)?;
+        let observed = observe::observe(&Self::root(), &Ledger::default(), &MachineSpec::default()).map_err(transient)?;
         if observed.boot_id == record.boot_id_before {
             // The agent restarted before the machine went down: ask again.
             systemd::reboot().await.map_err(transient)?;

@@ -1,17 +1,144 @@
-//! containerd: its health as seen through its socket (`ctr version` answers for both client
-//! and server only when the daemon serves).
+//! containerd: installed from a package (see `apt`) or from a release tarball, whose `bin/`
+//! binaries go to /usr/local/bin with a unit of keelson's; its health as seen through its
+//! socket (`ctr version` answers for both client and server only when the daemon serves).
 
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use super::command::{CommandError, run};
+use super::files;
+use crate::ledger::FileStamp;
 
 const HEALTH_WAIT_SECS: u64 = 60;
+/// Where binaries from a release tarball go; first on systemd's default PATH, so the shims
+/// containerd starts are the tarball's too.
+pub const BIN_DIR: &str = "/usr/local/bin";
+pub const UNIT: &str = "/etc/systemd/system/containerd.service";
+/// A tarball larger than this is not a containerd release.
+const MAX_BINARY_BYTES: u64 = 512 << 20;
+
+/// The unit for containerd from a tarball. It sits in /etc, so it wins over a package's unit
+/// in /lib while it is there.
+pub const UNIT_CONTENT: &str = "# Managed by keelson-agent: containerd from a release tarball.
+[Unit]
+Description=containerd container runtime
+Documentation=https://containerd.io
+After=network.target local-fs.target
+
+[Service]
+ExecStartPre=-/sbin/modprobe overlay
+ExecStart=/usr/local/bin/containerd
+Type=notify
+Delegate=yes
+KillMode=process
+Restart=always
+RestartSec=5
+LimitNPROC=infinity
+LimitCORE=infinity
+TasksMax=infinity
+OOMScoreAdjust=-999
+
+[Install]
+WantedBy=multi-user.target
+";
+
+#[derive(Debug, thiserror::Error)]
+pub enum TarballError {
+    #[error("{path}: not a containerd release tarball: {message}")]
+    Invalid { path: PathBuf, message: String },
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Unpacks the regular files directly under `bin/` of a gzipped release tarball into
+/// `staging`, returning their names. Nothing else in the tarball is written anywhere.
+pub fn unpack_binaries(tarball: &Path, staging: &Path) -> Result<Vec<String>, TarballError> {
+    use std::os::unix::fs::PermissionsExt;
+    let io = |path: &Path| {
+        let path = path.to_owned();
+        move |source| TarballError::Io { path, source }
+    };
+    let invalid = |message: String| TarballError::Invalid { path: tarball.to_owned(), message };
+    std::fs::create_dir_all(staging).map_err(io(staging))?;
+    let file = std::fs::File::open(tarball).map_err(io(tarball))?;
+    let mut archive = tar::Archive::new(flate2::read::GzDecoder::new(file));
+    let mut names = Vec::new();
+    for entry in archive.entries().map_err(|e| invalid(e.to_string()))? {
+        let mut entry = entry.map_err(|e| invalid(e.to_string()))?;
+        if entry.header().entry_type() != tar::EntryType::Regular {
+            continue;
+        }
+        let path = entry.path().map_err(|e| invalid(e.to_string()))?.into_owned();
+        let parts: Vec<_> = path.components().filter(|c| !matches!(c, std::path::Component::CurDir)).collect();
+        let [std::path::Component::Normal(dir), std::path::Component::Normal(name)] = parts.as_slice() else { continue };
+        if *dir != "bin" {
+            continue;
+        }
+        let name = name.to_string_lossy().into_owned();
+        if entry.size() > MAX_BINARY_BYTES {
+            return Err(invalid(format!("bin/{name} is {} bytes", entry.size())));
+        }
+        let out = staging.join(&name);
+        let mut bytes = Vec::with_capacity(entry.size() as usize);
+        entry.read_to_end(&mut bytes).map_err(|e| invalid(format!("bin/{name}: {e}")))?;
+        std::fs::write(&out, &bytes).map_err(io(&out))?;
+        std::fs::set_permissions(&out, std::fs::Permissions::from_mode(0o755)).map_err(io(&out))?;
+        names.push(name);
+    }
+    for required in ["containerd", "ctr"] {
+        if !names.iter().any(|n| n == required) {
+            return Err(invalid(format!("it has no bin/{required}")));
+        }
+    }
+    names.sort();
+    Ok(names)
+}
+
+/// Installs the tarball's binaries into `bin_dir`, each by rename with the previous kept;
+/// returns what the ledger records for each.
+pub fn install_tarball(tarball: &Path, bin_dir: &Path) -> Result<BTreeMap<String, FileStamp>, TarballError> {
+    let staging = bin_dir.join(".keelson-staging");
+    let _ = std::fs::remove_dir_all(&staging);
+    let names = unpack_binaries(tarball, &staging)?;
+    let mut stamps = BTreeMap::new();
+    for name in &names {
+        let target = bin_dir.join(name);
+        files::replace_keeping_previous(&staging.join(name), &target)
+            .map_err(|source| TarballError::Io { path: target.clone(), source })?;
+        let stamp = FileStamp::of(&target).map_err(|source| TarballError::Io { path: target.clone(), source })?;
+        stamps.insert(target.to_string_lossy().into_owned(), stamp);
+    }
+    let _ = std::fs::remove_dir_all(&staging);
+    Ok(stamps)
+}
+
+/// Puts back the binaries an install displaced (and removes the ones that displaced none).
+pub fn restore_binaries(installed: &BTreeMap<String, FileStamp>) -> std::io::Result<()> {
+    for path in installed.keys() {
+        let path = Path::new(path);
+        if !files::restore_previous(path)? {
+            std::fs::remove_file(path)?;
+        }
+    }
+    Ok(())
+}
+
+/// `1.7.22`, `v1.7.22` and Debian's `1.6.20~ds1` name the same things with or without the `v`.
+pub fn same_release(a: &str, b: &str) -> bool {
+    a.trim_start_matches('v') == b.trim_start_matches('v')
+}
 
 /// Waits until `ctr version` reaches the daemon; returns the server version it reports.
-pub async fn wait_healthy() -> Result<String, CommandError> {
+pub async fn wait_healthy(ctr: &str) -> Result<String, CommandError> {
     let deadline = Instant::now() + Duration::from_secs(HEALTH_WAIT_SECS);
     loop {
-        match run(&["ctr", "version"], &[], Duration::from_secs(10)).await {
+        match run(&[ctr, "version"], &[], Duration::from_secs(10)).await {
             Ok(out) => {
                 if let Some(v) = parse_server_version(&out) {
                     return Ok(v);
@@ -42,5 +169,53 @@ mod tests {
         let out = "Client:\n  Version:  1.6.20~ds1\n  Revision: 1.6.20~ds1-1+deb12u3\n  Go version: go1.19.8\n\nServer:\n  Version:  1.6.20~ds1\n  Revision: 1.6.20~ds1-1+deb12u3\n  UUID: 1b2\n";
         assert_eq!(parse_server_version(out).as_deref(), Some("1.6.20~ds1"));
         assert_eq!(parse_server_version("Client:\n  Version: 1\n"), None);
+    }
+
+    fn tarball(dir: &Path, entries: &[(&str, &[u8])]) -> anyhow::Result<PathBuf> {
+        let path = dir.join("containerd.tar.gz");
+        let mut builder = tar::Builder::new(flate2::write::GzEncoder::new(std::fs::File::create(&path)?, flate2::Compression::fast()));
+        for (name, bytes) in entries {
+            let mut header = tar::Header::new_gnu();
+            header.set_size(bytes.len() as u64);
+            header.set_mode(0o755);
+            header.set_cksum();
+            builder.append_data(&mut header, name, *bytes)?;
+        }
+        builder.into_inner()?.finish()?;
+        Ok(path)
+    }
+
+    #[test]
+    fn installs_only_bin_files_and_rolls_back() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let bin = dir.path().join("bin-dir");
+        std::fs::create_dir_all(&bin)?;
+        std::fs::write(bin.join("containerd"), b"old daemon")?;
+        let t = tarball(
+            dir.path(),
+            &[("bin/containerd", b"new daemon"), ("./bin/ctr", b"new ctr"), ("etc/evil", b"no"), ("bin/sub/x", b"no")],
+        )?;
+        let stamps = install_tarball(&t, &bin)?;
+        let mut names: Vec<_> =
+            std::fs::read_dir(&bin)?.map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned())).collect::<Result<_, _>>()?;
+        names.sort();
+        assert_eq!(names, vec!["containerd", "containerd.keelson-previous", "ctr"]);
+        assert_eq!(std::fs::read(bin.join("containerd"))?, b"new daemon");
+        assert_eq!(stamps.len(), 2);
+        restore_binaries(&stamps)?;
+        assert_eq!(std::fs::read(bin.join("containerd"))?, b"old daemon");
+        assert!(!bin.join("ctr").exists(), "a binary with nothing before it is removed on rollback");
+        Ok(())
+    }
+
+    #[test]
+    fn a_tarball_without_containerd_is_refused() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let t = tarball(dir.path(), &[("bin/ctr", b"x")])?;
+        let err = install_tarball(&t, dir.path()).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.ends_with("not a containerd release tarball: it has no bin/containerd"), "{err}");
+        std::fs::write(dir.path().join("junk.tar.gz"), b"not gzip")?;
+        assert!(install_tarball(&dir.path().join("junk.tar.gz"), dir.path()).is_err());
+        Ok(())
     }
 }

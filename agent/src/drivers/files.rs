@@ -53,3 +53,68 @@ pub fn write(path: &str, content: &str, mode: u32, owner: Option<&str>) -> Resul
     }
     Ok(())
 }
+
+/// Where the binary a replacement displaced is kept, for a rollback.
+pub fn previous_path(target: &Path) -> std::path::PathBuf {
+    let mut p = target.as_os_str().to_owned();
+    p.push(".keelson-previous");
+    p.into()
+}
+
+fn same_bytes(a: &Path, b: &Path) -> std::io::Result<bool> {
+    if std::fs::metadata(a)?.len() != std::fs::metadata(b)?.len() {
+        return Ok(false);
+    }
+    Ok(std::fs::read(a)? == std::fs::read(b)?)
+}
+
+/// Puts the `staged` file (on the same file system) in place of `target`, keeping the
+/// current one as the previous. A step re-run after a crash finds `target` already equal to
+/// `staged` and leaves the previous binary alone.
+pub fn replace_keeping_previous(staged: &Path, target: &Path) -> std::io::Result<()> {
+    std::fs::File::open(staged)?.sync_all()?;
+    if target.exists() {
+        if same_bytes(staged, target)? {
+            return std::fs::remove_file(staged);
+        }
+        std::fs::rename(target, previous_path(target))?;
+    }
+    std::fs::rename(staged, target)?;
+    std::fs::File::open(target.parent().unwrap_or(Path::new("/")))?.sync_all()
+}
+
+/// Puts the previous binary back; `false` when there was none.
+pub fn restore_previous(target: &Path) -> std::io::Result<bool> {
+    let previous = previous_path(target);
+    if !previous.exists() {
+        return Ok(false);
+    }
+    std::fs::rename(previous, target)?;
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replacing_keeps_the_previous_and_a_rerun_keeps_it_too() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let target = dir.path().join("tool");
+        std::fs::write(&target, b"old")?;
+        let stage = |bytes: &[u8]| -> std::io::Result<std::path::PathBuf> {
+            let s = dir.path().join("tool.keelson-new");
+            std::fs::write(&s, bytes)?;
+            Ok(s)
+        };
+        replace_keeping_previous(&stage(b"new")?, &target)?;
+        // The same step again, as after a crash between the rename and the journal write.
+        replace_keeping_previous(&stage(b"new")?, &target)?;
+        assert_eq!(std::fs::read(&target)?, b"new");
+        assert_eq!(std::fs::read(previous_path(&target))?, b"old");
+        assert!(restore_previous(&target)?);
+        assert_eq!(std::fs::read(&target)?, b"old");
+        assert!(!restore_previous(&target)?);
+        Ok(())
+    }
+}

@@ -5,11 +5,10 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use super::command::{CommandError, run};
-use super::systemd;
+use super::command::CommandError;
+use super::{files, systemd};
 
 pub const BINARY: &str = "/usr/bin/kubelet";
-pub const PREVIOUS: &str = "/usr/bin/kubelet.keelson-previous";
 pub const UNIT: &str = "/etc/systemd/system/kubelet.service";
 pub const DROPIN: &str = "/etc/systemd/system/kubelet.service.d/10-keelson.conf";
 const HEALTH_URL: &str = "http://127.0.0.1:10248/healthz";
@@ -71,26 +70,16 @@ pub fn install_binary(artifact: &Path) -> std::io::Result<()> {
     let staged = format!("{BINARY}.keelson-new");
     std::fs::copy(artifact, &staged)?;
     std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(0o755))?;
-    std::fs::File::open(&staged)?.sync_all()?;
-    if Path::new(BINARY).exists() {
-        std::fs::rename(BINARY, PREVIOUS)?;
-    }
-    std::fs::rename(&staged, BINARY)?;
-    std::fs::File::open("/usr/bin")?.sync_all()
+    files::replace_keeping_previous(Path::new(&staged), Path::new(BINARY))
 }
 
 /// Puts the previous binary back.
 pub fn restore_previous() -> std::io::Result<bool> {
-    if !Path::new(PREVIOUS).exists() {
-        return Ok(false);
-    }
-    std::fs::rename(PREVIOUS, BINARY)?;
-    Ok(true)
+    files::restore_previous(Path::new(BINARY))
 }
 
 pub async fn restart() -> Result<(), CommandError> {
-    run(&["systemctl", "daemon-reload"], &[], Duration::from_secs(60)).await?;
-    run(&["systemctl", "enable", "kubelet"], &[], Duration::from_secs(60)).await?;
+    systemd::daemon_reload_enable("kubelet").await?;
     systemd::restart("kubelet").await
 }
 

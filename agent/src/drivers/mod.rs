@@ -7,4 +7,5 @@ pub mod command;
 pub mod containerd;
 pub mod files;
 pub mod kubelet;
+pub mod script;
 pub mod systemd;

@@ -18,3 +18,9 @@ pub async fn is_active(unit: &str) -> bool {
 pub async fn reboot() -> Result<(), CommandError> {
     run(&["systemctl", "reboot"], &[], Duration::from_secs(60)).await.map(|_| ())
 }
+
+/// Makes systemd read changed unit files and start `unit` at boot.
+pub async fn daemon_reload_enable(unit: &str) -> Result<(), CommandError> {
+    run(&["systemctl", "daemon-reload"], &[], Duration::from_secs(60)).await?;
+    run(&["systemctl", "enable", unit], &[], Duration::from_secs(60)).await.map(|_| ())
+}
