@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use keelson_api::machine::{MachineSpec, Versions};
 
+use crate::drivers::packages::Manager;
 use crate::ledger::Ledger;
 use sha2::{Digest, Sha256};
 
@@ -45,6 +46,7 @@ pub struct Observed {
     pub bootstrapped: BTreeSet<String>,
     /// The digest of the containerd release tarball whose binaries are in place, unchanged.
     pub runtime_artifact: Option<String>,
+    pub package_manager: Manager,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -92,12 +94,14 @@ pub fn kernel_from_image_name(target: &str) -> Option<String> {
 /// outside the package database.
 pub fn observe(root: &Path, ledger: &Ledger, spec: &MachineSpec) -> Result<Observed, ObserveError> {
     let at = |p: &str| root.join(p.trim_start_matches('/'));
-    let status_path = at("var/lib/dpkg/status");
-    let status = std::fs::read_to_string(&status_path).map_err(|e| ObserveError { path: status_path.clone(), message: e.to_string() })?;
+    let manager = Manager::detect(root).ok_or_else(|| ObserveError {
+        path: root.to_owned(),
+        message: "neither dpkg's nor rpm's database is here: this agent manages Debian and RHEL family systems".into(),
+    })?;
     let read = |p: &str| std::fs::read_to_string(at(p)).map(|s| s.trim().to_owned()).unwrap_or_default();
     let boot_kernel = std::fs::read_link(at("vmlinuz")).ok().and_then(|t| kernel_from_image_name(&t.to_string_lossy()));
     let mut paths: Vec<String> = spec.files.iter().map(|f| f.path.clone()).collect();
-    paths.push(format!("/{SOURCES_FILE}"));
+    paths.push(format!("/{}", manager.sources_file()));
     paths.push(format!("/{CONTAINERD_CONFIG}"));
     if spec.container_runtime.as_ref().is_some_and(|r| r.source.url.is_some()) {
         paths.push(crate::drivers::containerd::UNIT.to_owned());
@@ -115,7 +119,7 @@ pub fn observe(root: &Path, ledger: &Ledger, spec: &MachineSpec) -> Result<Obser
         }
     }
     Ok(Observed {
-        packages: parse_dpkg_status(&status),
+        packages: manager.installed(root)?,
         running_kernel: read("proc/sys/kernel/osrelease"),
         boot_kernel,
         reboot_required: at("run/reboot-required").exists(),
@@ -124,6 +128,7 @@ pub fn observe(root: &Path, ledger: &Ledger, spec: &MachineSpec) -> Result<Obser
         kubelet_version: spec.kubelet.as_ref().and_then(|_| crate::drivers::kubelet::installed_version(root)),
         bootstrapped: ledger.bootstrapped.clone(),
         runtime_artifact: ledger.intact_runtime_artifact(root).map(|a| a.sha256.clone()),
+        package_manager: manager,
     })
 }
 

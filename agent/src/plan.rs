@@ -6,19 +6,17 @@
 //! scripts run only when something else changes, so an up-to-date machine has an empty plan;
 //! a bootstrap script runs once per machine (the ledger remembers it by name).
 
-use std::cmp::Ordering;
 use std::collections::BTreeMap;
 
-use keelson_api::machine::{MachineSpec, RebootPolicy, ScriptSpec, ScriptWhen};
-use keelson_api::version::DebVersion;
+use keelson_api::machine::{MachineSpec, RebootPolicy, Repository, ScriptSpec, ScriptWhen};
 use serde::{Deserialize, Serialize};
 
-use crate::observe::{CONTAINERD_CONFIG, Observed, SOURCES_FILE, sha256_hex};
+use crate::observe::{CONTAINERD_CONFIG, Observed, sha256_hex};
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", tag = "kind")]
 pub enum Action {
-    /// Write the managed apt sources (or remove them, `None`) and refresh the package lists.
+    /// Write the managed repositories (or remove them, `None`) and refresh the package lists.
     Repositories {
         content: Option<String>,
     },
@@ -124,11 +122,7 @@ pub enum PlanError {
 }
 
 /// deb822 sources for the managed repositories.
-pub fn render_sources(spec: &MachineSpec) -> Option<String> {
-    let repos = &spec.os.as_ref()?.repositories;
-    if repos.is_empty() {
-        return None;
-    }
+pub fn render_sources(repos: &[Repository]) -> String {
     let mut out = String::from("# Managed by keelson-agent: changes are overwritten.\n");
     for (i, r) in repos.iter().enumerate() {
         if i > 0 {
@@ -147,7 +141,7 @@ pub fn render_sources(spec: &MachineSpec) -> Option<String> {
             out.push_str("Trusted: yes\n");
         }
     }
-    Some(out)
+    out
 }
 
 /// containerd's configuration for the spec: CRI with the runc runtime, and the cgroup driver
@@ -156,13 +150,6 @@ pub fn render_containerd_config(systemd_cgroup: bool) -> String {
     format!(
         "# Managed by keelson-agent: changes are overwritten.\nversion = 2\n\n[plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.runc]\n  runtime_type = \"io.containerd.runc.v2\"\n\n[plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.runc.options]\n  SystemdCgroup = {systemd_cgroup}\n"
     )
-}
-
-fn same_version(installed: &str, wanted: &str) -> bool {
-    match (installed.parse::<DebVersion>(), wanted.parse::<DebVersion>()) {
-        (Ok(a), Ok(b)) => a.cmp(&b) == Ordering::Equal,
-        _ => installed == wanted,
-    }
 }
 
 fn file_differs(observed: &Observed, path: &str, content: &str, mode: u32) -> bool {
@@ -176,11 +163,13 @@ pub fn plan(spec: &MachineSpec, observed: &Observed, ctx: &Context) -> Result<Ve
     let mut steps = Vec::new();
     let mut kernel_changes = false;
 
-    let sources_path = format!("/{SOURCES_FILE}");
-    match render_sources(spec) {
+    let pm = observed.package_manager;
+    let same_version = |installed: &str, wanted: &str| pm.same_version(installed, wanted);
+    let sources_path = format!("/{}", pm.sources_file());
+    match pm.render_sources(spec) {
         Some(content) if file_differs(observed, &sources_path, &content, 0o644) => {
             steps.push(Step {
-                description: "write apt sources and update".into(),
+                description: "write the managed repositories and refresh the package lists".into(),
                 disruptive: false,
                 action: Action::Repositories { content: Some(content) },
             });
@@ -188,7 +177,7 @@ pub fn plan(spec: &MachineSpec, observed: &Observed, ctx: &Context) -> Result<Ve
         // Repositories the spec no longer names must stop being sources.
         None if observed.files.contains_key(&sources_path) => {
             steps.push(Step {
-                description: "remove keelson's apt sources and update".into(),
+                description: "remove the managed repositories and refresh the package lists".into(),
                 disruptive: false,
                 action: Action::Repositories { content: None },
             });
@@ -203,7 +192,7 @@ pub fn plan(spec: &MachineSpec, observed: &Observed, ctx: &Context) -> Result<Ve
             .filter(|p| observed.packages.get(p.name.as_str()).is_none_or(|i| !same_version(&i.version, p.version.as_str())))
             .map(|p| Pin { name: p.name.to_string(), version: p.version.to_string() })
             .collect();
-        kernel_changes = install.iter().any(|p| p.name.starts_with("linux-image"));
+        kernel_changes = install.iter().any(|p| pm.is_kernel(&p.name));
         let all: Vec<String> = os.packages.iter().map(|p| p.name.to_string()).collect();
         if !install.is_empty() {
             let what = install.iter().map(|p| format!("{}={}", p.name, p.version)).collect::<Vec<_>>().join(" ");
@@ -415,11 +404,11 @@ pub fn apply_model(observed: &Observed, steps: &[Step]) -> Observed {
     for s in steps {
         match &s.action {
             Action::Repositories { content: Some(content) } => {
-                o.files
-                    .insert(format!("/{SOURCES_FILE}"), crate::observe::FileState { sha256: sha256_hex(content.as_bytes()), mode: 0o644 });
+                let path = format!("/{}", o.package_manager.sources_file());
+                o.files.insert(path, crate::observe::FileState { sha256: sha256_hex(content.as_bytes()), mode: 0o644 });
             }
             Action::Repositories { content: None } => {
-                o.files.remove(&format!("/{SOURCES_FILE}"));
+                o.files.remove(&format!("/{}", o.package_manager.sources_file()));
             }
             Action::Packages { install, hold } => {
                 for p in install {
@@ -562,7 +551,7 @@ mod tests {
     #[test]
     fn dropped_repositories_are_removed() -> Result<(), PlanError> {
         let mut o = machine();
-        o.files.insert(format!("/{SOURCES_FILE}"), FileState { sha256: sha256_hex(b"old"), mode: 0o644 });
+        o.files.insert(format!("/{}", crate::observe::SOURCES_FILE), FileState { sha256: sha256_hex(b"old"), mode: 0o644 });
         let steps = plan(&MachineSpec::default(), &o, &Context::default())?;
         assert_eq!(steps.iter().map(|s| s.action.clone()).collect::<Vec<_>>(), vec![Action::Repositories { content: None }]);
         assert!(plan(&MachineSpec::default(), &apply_model(&o, &steps), &Context::default())?.is_empty());
@@ -625,6 +614,34 @@ mod tests {
         let mut fresh = done;
         fresh.bootstrapped.clear();
         assert_eq!(shape(&plan(&s, &fresh, &Context::default())?), vec![(false, "run bootstrap script first")]);
+        Ok(())
+    }
+
+    #[test]
+    fn the_rhel_family_plans_with_rpm_versions_a_repo_file_and_versionlock() -> Result<(), PlanError> {
+        use crate::drivers::packages::Manager;
+        let s = spec_from(serde_json::json!({"os": {
+            "repositories": [{"name": "baseos", "uris": ["https://mirror.example/9/BaseOS/"], "signedBy": "/etc/pki/rpm-gpg/KEY"}],
+            "packages": [{"name": "kernel-core", "version": "5.14.0-427.13.1.el9_4"}, {"name": "containerd.io", "version": "1.7.22-3.1.el9"}],
+        }}));
+        let mut o = Observed { package_manager: Manager::Dnf, running_kernel: "5.14.0-362.8.1.el9_3.x86_64".into(), ..Observed::default() };
+        // rpm reports the epoch; the pin leaves it out: the same version, only the lock is missing.
+        o.packages.insert("containerd.io".into(), Installed { version: "0:1.7.22-3.1.el9".into(), held: false });
+        o.packages.insert("kernel-core".into(), Installed { version: "0:5.14.0-362.8.1.el9_3".into(), held: true });
+        let steps = plan(&s, &o, &Context::default())?;
+        assert_eq!(
+            shape(&steps),
+            vec![
+                (false, "write the managed repositories and refresh the package lists"),
+                (false, "install kernel-core=5.14.0-427.13.1.el9_4"),
+                (true, "reboot (new kernel)"),
+            ]
+        );
+        let Action::Repositories { content: Some(repo) } = &steps[0].action else { panic!("{:?}", steps[0]) };
+        assert!(repo.contains("[keelson-baseos]\nname=baseos\nbaseurl=https://mirror.example/9/BaseOS/\n"), "{repo}");
+        let after = apply_model(&o, &steps);
+        assert!(after.files.contains_key("/etc/yum.repos.d/keelson.repo"));
+        assert!(after.packages["containerd.io"].held, "every pin is locked after the install");
         Ok(())
     }
 
@@ -710,6 +727,7 @@ mod tests {
                 kubelet_version: None,
                 bootstrapped,
                 runtime_artifact,
+                package_manager: Default::default(),
             })
     }
 

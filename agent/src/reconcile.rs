@@ -29,10 +29,11 @@ use keelson_api::wire::Event;
 use tokio_util::sync::CancellationToken;
 
 use crate::client::{Controller, LeaseAnswer};
-use crate::drivers::{apt, artifact, containerd, files, kubelet, script, systemd};
+use crate::drivers::packages::{Manager, PackageError};
+use crate::drivers::{artifact, containerd, files, kubelet, script, systemd};
 use crate::journal::{Journal, RebootRecord};
 use crate::ledger::{InstalledArtifact, Ledger};
-use crate::observe::{self, CONTAINERD_CONFIG, SOURCES_FILE};
+use crate::observe::{self, CONTAINERD_CONFIG};
 use crate::plan::{self, Action, Context, Step};
 
 /// Attempts at a failing step before the machine is Degraded.
@@ -134,10 +135,10 @@ enum StepError {
     Transient(String),
 }
 
-impl From<apt::AptError> for StepError {
-    fn from(e: apt::AptError) -> Self {
+impl From<PackageError> for StepError {
+    fn from(e: PackageError) -> Self {
         match e {
-            apt::AptError::VersionNotFound { .. } => StepError::Permanent(e.to_string()),
+            PackageError::VersionNotFound(_) => StepError::Permanent(e.to_string()),
             other => StepError::Transient(other.to_string()),
         }
     }
@@ -155,6 +156,10 @@ enum StepDone {
 impl Reconciler {
     fn root() -> PathBuf {
         PathBuf::from("/")
+    }
+
+    fn packages() -> Result<Manager, StepError> {
+        Manager::detect(&Self::root()).ok_or_else(|| StepError::Permanent("no dpkg or rpm database on this machine".into()))
     }
 
     fn set_phase(&self, phase: Phase, generation: u64) {
@@ -410,7 +415,8 @@ impl Reconciler {
     async fn run_step(&self, journal: &mut Journal, step: &Step) -> Result<StepDone, StepError> {
         match &step.action {
             Action::Repositories { content } => {
-                let path = format!("/{SOURCES_FILE}");
+                let pm = Self::packages()?;
+                let path = format!("/{}", pm.sources_file());
                 match content {
                     Some(c) => files::write(&path, c, 0o644, None).map_err(transient)?,
                     None => match std::fs::remove_file(&path) {
@@ -418,15 +424,16 @@ impl Reconciler {
                         _ => {}
                     },
                 }
-                apt::update().await?;
+                pm.update().await?;
             }
             Action::Packages { install, hold } => {
-                apt::update().await?;
-                apt::ensure_available(install).await?;
-                apt::install(install).await?;
-                apt::hold(hold).await?;
+                let pm = Self::packages()?;
+                pm.update().await?;
+                pm.ensure_available(install).await?;
+                pm.install(install).await?;
+                pm.hold(hold).await?;
             }
-            Action::Hold { names } => apt::hold(names).await?,
+            Action::Hold { names } => Self::packages()?.hold(names).await?,
             Action::Runtime { name, tarball: false, package, config, previous, .. } => {
                 self.runtime_package_step(name, package.as_ref(), config.as_deref(), previous.as_deref()).await?
             }
@@ -566,13 +573,14 @@ impl Reconciler {
         config: Option<&str>,
         previous: Option<&str>,
     ) -> Result<(), StepError> {
+        let pm = Self::packages()?;
         if let Some(p) = package {
-            apt::update().await?;
-            apt::ensure_available(std::slice::from_ref(p)).await?;
-            apt::install(std::slice::from_ref(p)).await?;
+            pm.update().await?;
+            pm.ensure_available(std::slice::from_ref(p)).await?;
+            pm.install(std::slice::from_ref(p)).await?;
         }
         // Held, so that nothing but keelson moves it.
-        apt::hold(&[name.to_owned()]).await?;
+        pm.hold(&[name.to_owned()]).await?;
         if let Some(c) = config {
             files::write(&format!("/{CONTAINERD_CONFIG}"), c, 0o644, None).map_err(transient)?;
         }
@@ -588,10 +596,10 @@ impl Reconciler {
                 };
                 let back = plan::Pin { name: p.name.clone(), version: prev.to_owned() };
                 let rolled = async {
-                    apt::ensure_available(std::slice::from_ref(&back)).await?;
-                    apt::install(std::slice::from_ref(&back)).await?;
-                    systemd::restart("containerd").await.map_err(apt::AptError::from)?;
-                    Ok::<(), apt::AptError>(())
+                    pm.ensure_available(std::slice::from_ref(&back)).await?;
+                    pm.install(std::slice::from_ref(&back)).await?;
+                    systemd::restart("containerd").await?;
+                    Ok::<(), PackageError>(())
                 }
                 .await;
                 let what = match rolled {
@@ -643,17 +651,18 @@ impl Reconciler {
     }
 
     async fn kubelet_package_step(&self, package: &str, version: &str, previous_package: Option<&str>) -> Result<(), StepError> {
-        apt::update().await?;
-        let offered = apt::offered(package).await?;
-        let Some(chosen) = apt::newest_of_release(&offered, version) else {
+        let pm = Self::packages()?;
+        pm.update().await?;
+        let (chosen, offered) = pm.newest_of_release(package, version).await?;
+        let Some(chosen) = chosen else {
             let offered = if offered.is_empty() { "none".to_owned() } else { offered.join(", ") };
             return Err(StepError::Permanent(format!(
                 "apt: no version of {package} for kubelet {version} (the repositories offer: {offered})"
             )));
         };
         let pin = plan::Pin { name: package.to_owned(), version: chosen.clone() };
-        apt::install(std::slice::from_ref(&pin)).await?;
-        apt::hold(&[package.to_owned()]).await?;
+        pm.install(std::slice::from_ref(&pin)).await?;
+        pm.hold(&[package.to_owned()]).await?;
         kubelet::restart().await.map_err(transient)?;
         let installed = kubelet::installed_version(std::path::Path::new("/"));
         let check = match installed.as_deref() {
@@ -665,10 +674,10 @@ impl Reconciler {
             Some(prev) => {
                 let back = plan::Pin { name: package.to_owned(), version: prev.to_owned() };
                 let rolled = async {
-                    apt::ensure_available(std::slice::from_ref(&back)).await?;
-                    apt::install(std::slice::from_ref(&back)).await?;
+                    pm.ensure_available(std::slice::from_ref(&back)).await?;
+                    pm.install(std::slice::from_ref(&back)).await?;
                     kubelet::restart().await?;
-                    Ok::<(), apt::AptError>(())
+                    Ok::<(), PackageError>(())
                 }
                 .await;
                 match rolled {

@@ -43,18 +43,6 @@ pub async fn offered(name: &str) -> Result<Vec<String>, AptError> {
     Ok(parse_madison(&out))
 }
 
-/// The newest offered package version whose upstream part is `release` (`v1.31.0` →
-/// `1.31.0-1.1`), as Kubernetes' own repositories number their packages.
-pub fn newest_of_release(offered: &[String], release: &str) -> Option<String> {
-    let release = release.trim_start_matches('v');
-    offered
-        .iter()
-        .filter_map(|v| v.parse::<keelson_api::version::DebVersion>().ok())
-        .filter(|v| v.upstream() == release)
-        .max()
-        .map(|v| v.as_str().to_owned())
-}
-
 /// Fails before anything changes when a pin is not offered by the repositories.
 pub async fn ensure_available(pins: &[Pin]) -> Result<(), AptError> {
     for p in pins {
@@ -108,13 +96,5 @@ mod tests {
         let out = "containerd | 1.6.20~ds1-1+deb12u3 | http://10.0.2.2:8080 ./ Packages\ncontainerd | 1.6.20~ds1-1+deb12u2 | http://10.0.2.2:8080 ./ Packages\n";
         assert_eq!(parse_madison(out), vec!["1.6.20~ds1-1+deb12u3", "1.6.20~ds1-1+deb12u2"]);
         assert!(parse_madison("").is_empty());
-    }
-
-    #[test]
-    fn picks_the_newest_package_of_a_release() {
-        let offered: Vec<String> = ["1.31.0-1.1", "1.31.0-2.1", "1.31.1-1.1", "1.30.4-1.1"].map(String::from).to_vec();
-        assert_eq!(newest_of_release(&offered, "v1.31.0").as_deref(), Some("1.31.0-2.1"));
-        assert_eq!(newest_of_release(&offered, "1.30.4").as_deref(), Some("1.30.4-1.1"));
-        assert_eq!(newest_of_release(&offered, "v1.29.0"), None);
     }
 }
