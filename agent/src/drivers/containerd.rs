@@ -129,9 +129,11 @@ pub fn restore_binaries(installed: &BTreeMap<String, FileStamp>) -> std::io::Res
     Ok(())
 }
 
-/// `1.7.22`, `v1.7.22` and Debian's `1.6.20~ds1` name the same things with or without the `v`.
-pub fn same_release(a: &str, b: &str) -> bool {
-    a.trim_start_matches('v') == b.trim_start_matches('v')
+/// Whether the daemon's reported version is the release the spec names: `v1.7.22` is
+/// `1.7.22`, and a distribution's build of it (`1.6.20~ds1`, `1.7.22-1`) is that release too.
+pub fn same_release(serving: &str, wanted: &str) -> bool {
+    let (s, w) = (serving.trim_start_matches('v'), wanted.trim_start_matches('v'));
+    s == w || s.strip_prefix(w).is_some_and(|rest| rest.starts_with(['~', '-', '+']))
 }
 
 /// Waits until `ctr version` reaches the daemon; returns the server version it reports.
@@ -183,6 +185,14 @@ mod tests {
         }
         builder.into_inner()?.finish()?;
         Ok(path)
+    }
+
+    #[test]
+    fn release_versions_match_with_or_without_v_and_build_suffixes() {
+        assert!(same_release("v1.7.22", "1.7.22"));
+        assert!(same_release("1.6.20~ds1", "1.6.20"));
+        assert!(!same_release("1.6.201", "1.6.20"));
+        assert!(!same_release("1.6.19", "1.6.20"));
     }
 
     #[test]
