@@ -373,6 +373,9 @@ pub struct MachineStatus {
     /// The pool whose template is this machine's spec; set by the controller.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pool: Option<Name>,
+    /// The pool revision the spec came from; set by the controller.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool_revision: Option<u64>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

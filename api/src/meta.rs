@@ -185,6 +185,18 @@ pub mod condition {
     pub const UPDATING: &str = "Updating";
     pub const DEGRADED: &str = "Degraded";
     pub const REACHABLE: &str = "Reachable";
+    /// Pool: the rollout stopped because too many machines of the current revision failed.
+    pub const ROLLOUT_HALTED: &str = "RolloutHalted";
+    /// Pool: every member runs the current revision, converged.
+    pub const ROLLED_OUT: &str = "RolledOut";
+}
+
+/// Annotations with a fixed meaning.
+pub mod annotation {
+    /// On a machine: its place in a rollout; higher goes first (default 0).
+    pub const ROLLOUT_PRIORITY: &str = "keelson.io/rollout-priority";
+    /// On a machine: pick it first when a pool shrinks.
+    pub const DELETE_MACHINE: &str = "keelson.io/delete-machine";
 }
 
 /// Finds a condition by type.

@@ -50,6 +50,16 @@ pub struct RolloutSpec {
     pub max_failures: u32,
     #[serde(default)]
     pub paused: bool,
+    /// Machines with the same value of this label form a wave; a wave starts only when the
+    /// one before it is done.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wave_label: Option<String>,
+    /// When the rollout halts, roll back to the previous revision by itself.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub auto_undo: bool,
+    /// How many earlier revisions are kept for `rollout undo`.
+    #[serde(default = "default_history")]
+    pub revision_history_limit: u32,
 }
 
 impl Default for RolloutSpec {
@@ -60,8 +70,15 @@ impl Default for RolloutSpec {
             canary: None,
             max_failures: default_max_failures(),
             paused: false,
+            wave_label: None,
+            auto_undo: false,
+            revision_history_limit: default_history(),
         }
     }
+}
+
+fn default_history() -> u32 {
+    10
 }
 
 fn default_max_unavailable() -> IntOrPercent {
@@ -166,8 +183,29 @@ pub struct PoolStatus {
     pub ready: u32,
     #[serde(default)]
     pub degraded: u32,
+    /// Members not yet given the current revision.
+    #[serde(default)]
+    pub waiting: u32,
+    /// The wave being rolled out (the value of `waveLabel`), when waves are used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wave: Option<String>,
+    /// Why the rollout is not moving, when it is not.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub message: String,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
+}
+
+/// One revision of a pool's template, kept for history and undo.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PoolRevision {
+    pub revision: u64,
+    #[serde(with = "time::serde::rfc3339")]
+    pub created: crate::meta::Timestamp,
+    /// What made it: an apply, or an undo to an earlier revision.
+    pub cause: String,
+    pub template: MachineTemplate,
 }
 
 #[cfg(test)]

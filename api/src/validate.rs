@@ -124,6 +124,20 @@ pub fn validate_pool(p: &MachinePool) -> Result<(), ValidationError> {
     {
         errors.add("spec.rollout.after", "a pool cannot wait for itself");
     }
+    if let Some(label) = &p.spec.rollout.wave_label
+        && let Err(message) = check_label(label, "")
+    {
+        errors.add("spec.rollout.waveLabel", message);
+    }
+    if p.spec.rollout.max_failures == 0 {
+        errors.add("spec.rollout.maxFailures", "must be at least 1");
+    }
+    if p.spec.rollout.canary.as_ref().is_some_and(|c| c.machines == 0) {
+        errors.add("spec.rollout.canary.machines", "must be at least 1");
+    }
+    if !(1..=100).contains(&p.spec.rollout.revision_history_limit) {
+        errors.add("spec.rollout.revisionHistoryLimit", "must be between 1 and 100");
+    }
     if p.spec.template.spec.roles.contains(&Role::Etcd) && p.spec.rollout.max_unavailable != crate::pool::IntOrPercent::Int(1) {
         errors.add("spec.rollout.maxUnavailable", "must be 1 for a pool with role etcd (one member at a time)");
     }

@@ -12,7 +12,7 @@ use anyhow::{Context, anyhow, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 use keelson_api::decode::{Resource, resources_from_text};
 use keelson_api::machine::Machine;
-use keelson_api::pool::MachinePool;
+use keelson_api::pool::{MachinePool, PoolRevision};
 use keelson_api::token::BootstrapToken;
 use keelson_api::validate::parse_name;
 use keelson_api::wire::{Event, List, TokenCreated, TokenRequest};
@@ -60,6 +60,100 @@ enum Command {
         #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
         output: Format,
     },
+    /// A pool's rollout: `keelson rollout status pool/NAME`.
+    Rollout {
+        #[command(subcommand)]
+        command: RolloutCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum RolloutCommand {
+    /// Progress of the current revision; exits non-zero when the rollout has halted.
+    Status {
+        target: String,
+        /// Follow the rollout until it completes (exit 0) or halts (exit 1).
+        #[arg(short, long)]
+        watch: bool,
+        #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+        output: Format,
+    },
+    /// The pool's kept revisions and what made each.
+    History {
+        target: String,
+        #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+        output: Format,
+    },
+    /// Stop giving machines the current revision (machines mid-update finish).
+    Pause { target: String },
+    /// Carry on after a pause.
+    Resume { target: String },
+    /// Roll back to an earlier revision (by default the one before), at the pool's pace.
+    Undo {
+        target: String,
+        #[arg(long)]
+        to_revision: Option<u64>,
+    },
+}
+
+/// `pool/NAME` → NAME, checked.
+fn pool_target(target: &str) -> anyhow::Result<&str> {
+    let name = target.strip_prefix("pool/").ok_or_else(|| anyhow!("{target:?}: expected pool/NAME"))?;
+    parse_name("NAME", name)?;
+    Ok(name)
+}
+
+async fn rollout(command: &RolloutCommand, connect: impl Fn() -> anyhow::Result<Client>) -> anyhow::Result<()> {
+    match command {
+        RolloutCommand::Status { target, watch, output } => {
+            let name = pool_target(target)?;
+            let client = connect()?;
+            let path = format!("/v1/pools/{name}");
+            let mut last = String::new();
+            loop {
+                let pool: MachinePool = client.call(Method::GET, &path, None::<&()>).await?;
+                let progress = output::rollout_progress(&pool);
+                if matches!(output, Format::Json | Format::Yaml) {
+                    print!("{}", output::structured(&pool.status, *output)?);
+                } else if progress.line != last {
+                    println!("{}", progress.line);
+                    last = progress.line.clone();
+                }
+                if let Some(why) = progress.halted {
+                    bail!("rollout of pool {name} halted: {why}");
+                }
+                if progress.complete || !watch {
+                    return Ok(());
+                }
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            }
+        }
+        RolloutCommand::History { target, output } => {
+            let name = pool_target(target)?;
+            let client = connect()?;
+            let history: Vec<PoolRevision> = client.call(Method::GET, &format!("/v1/pools/{name}/revisions"), None::<&()>).await?;
+            match output {
+                Format::Json | Format::Yaml => print!("{}", output::structured(&history, *output)?),
+                _ => print!("{}", output::history_table(&history)),
+            }
+        }
+        RolloutCommand::Pause { target } | RolloutCommand::Resume { target } => {
+            let name = pool_target(target)?;
+            let verb = if matches!(command, RolloutCommand::Pause { .. }) { "pause" } else { "resume" };
+            let client = connect()?;
+            let _: MachinePool =
+                client.call(Method::POST, &format!("/v1/pools/{name}/rollout/{verb}"), Some(&serde_json::json!({}))).await?;
+            println!("pool/{name} {verb}d");
+        }
+        RolloutCommand::Undo { target, to_revision } => {
+            let name = pool_target(target)?;
+            let client = connect()?;
+            let body = serde_json::json!({"toRevision": to_revision});
+            let pool: MachinePool = client.call(Method::POST, &format!("/v1/pools/{name}/rollout/undo"), Some(&body)).await?;
+            println!("pool/{name} rolled back: revision {} is rolling out", pool.status.revision);
+        }
+    }
+    Ok(())
 }
 
 #[derive(Subcommand)]
@@ -233,6 +327,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 _ => println!("{}", created.token),
             }
         }
+        Command::Rollout { ref command } => rollout(command, connect).await?,
         Command::Events { ref target, output } => {
             let name = target.strip_prefix("machine/").ok_or_else(|| anyhow!("{target:?}: expected machine/NAME"))?;
             parse_name("NAME", name)?;

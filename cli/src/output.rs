@@ -4,7 +4,7 @@ use comfy_table::presets::NOTHING;
 use comfy_table::{Cell, Table};
 use keelson_api::machine::Machine;
 use keelson_api::meta::{ConditionStatus, Timestamp, condition, find_condition};
-use keelson_api::pool::MachinePool;
+use keelson_api::pool::{MachinePool, PoolRevision};
 use keelson_api::token::BootstrapToken;
 use keelson_api::wire::Event;
 use serde::Serialize;
@@ -86,10 +86,51 @@ pub fn machines_table(machines: &[Machine], wide: bool) -> String {
     t.to_string() + "\n"
 }
 
+/// A rollout's progress as one line, and whether it is over.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Progress {
+    pub line: String,
+    pub complete: bool,
+    pub halted: Option<String>,
+}
+
+pub fn rollout_progress(pool: &MachinePool) -> Progress {
+    const WIDTH: u32 = 20;
+    let s = &pool.status;
+    let is = |t, st| find_condition(&s.conditions, t).is_some_and(|c| c.status == st);
+    let complete = is(condition::ROLLED_OUT, ConditionStatus::True)
+        && find_condition(&s.conditions, condition::ROLLED_OUT).is_some_and(|c| c.message == format!("revision {}", s.revision));
+    let halted = is(condition::ROLLOUT_HALTED, ConditionStatus::True)
+        .then(|| find_condition(&s.conditions, condition::ROLLOUT_HALTED).map(|c| c.message.clone()).unwrap_or_default());
+    let filled = (s.updated * WIDTH).checked_div(s.machines).unwrap_or(WIDTH).min(WIDTH);
+    let bar = format!("{}{}", "#".repeat(filled as usize), ".".repeat((WIDTH - filled) as usize));
+    let mut line = format!(
+        "revision {} [{bar}] {}/{} updated, {} updating, {} waiting, {} degraded",
+        s.revision, s.updated, s.machines, s.updating, s.waiting, s.degraded
+    );
+    if let Some(w) = &s.wave {
+        line.push_str(&format!("; wave {}", if w.is_empty() { "(unlabelled)" } else { w }));
+    }
+    if complete {
+        line.push_str("; rolled out");
+    } else if !s.message.is_empty() {
+        line.push_str(&format!("; {}", s.message));
+    }
+    Progress { line, complete, halted }
+}
+
+pub fn history_table(history: &[PoolRevision]) -> String {
+    let mut t = table(&["REVISION", "AGE", "CAUSE"]);
+    for r in history {
+        t.add_row(vec![r.revision.to_string(), age(Some(r.created)), r.cause.clone()]);
+    }
+    t.to_string() + "\n"
+}
+
 pub fn pools_table(pools: &[MachinePool], wide: bool) -> String {
-    let mut headers = vec!["NAME", "MACHINES", "UPDATED", "UPDATING", "READY", "DEGRADED", "REVISION", "AGE"];
+    let mut headers = vec!["NAME", "MACHINES", "UPDATED", "UPDATING", "WAITING", "READY", "DEGRADED", "REVISION", "ROLLOUT", "AGE"];
     if wide {
-        headers.extend(["SELECTOR", "MAX-UNAVAILABLE", "PAUSED"]);
+        headers.extend(["SELECTOR", "MAX-UNAVAILABLE", "PAUSED", "WAVE"]);
     }
     let mut t = table(&headers);
     for p in pools {
@@ -99,9 +140,19 @@ pub fn pools_table(pools: &[MachinePool], wide: bool) -> String {
             s.machines.to_string(),
             s.updated.to_string(),
             s.updating.to_string(),
+            s.waiting.to_string(),
             s.ready.to_string(),
             s.degraded.to_string(),
             s.revision.to_string(),
+            {
+                let progress = rollout_progress(p);
+                match (progress.complete, progress.halted.is_some()) {
+                    (true, _) => "Complete".to_owned(),
+                    (_, true) => "Halted".to_owned(),
+                    _ if s.message.is_empty() => "Progressing".to_owned(),
+                    _ => s.message.clone(),
+                }
+            },
             age(p.metadata.creation_timestamp),
         ];
         if wide {
@@ -109,6 +160,7 @@ pub fn pools_table(pools: &[MachinePool], wide: bool) -> String {
                 p.spec.selector.match_labels.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(","),
                 p.spec.rollout.max_unavailable.to_string(),
                 p.spec.rollout.paused.to_string(),
+                s.wave.clone().unwrap_or_default(),
             ]);
         }
         t.add_row(row);

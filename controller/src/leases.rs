@@ -47,26 +47,41 @@ pub enum Decision {
     Wait { message: String },
 }
 
+/// Ready and reachable: not using the pool's disruption budget.
+fn is_available(m: &Machine) -> bool {
+    use keelson_api::meta::{ConditionStatus, condition, find_condition};
+    let status = |t| find_condition(&m.status.conditions, t).map(|c| c.status);
+    status(condition::READY) == Some(ConditionStatus::True) && status(condition::REACHABLE) != Some(ConditionStatus::False)
+}
+
 fn encode<T: Serialize>(v: &T) -> Vec<u8> {
     serde_json::to_vec(v).unwrap_or_else(|e| panic!("serialising leases: {e}"))
 }
 
 impl Registry {
     /// The lease key and budget of a machine: its pool's `maxUnavailable` over the pool's
-    /// member count; a machine in no pool disrupts only itself.
-    async fn lease_scope(&self, name: &Name) -> Result<(String, usize), ApiError> {
+    /// member count, and the other members that are unavailable already (not Ready, or
+    /// unreachable), which use up the budget as leases do. A machine in no pool disrupts
+    /// only itself.
+    async fn lease_scope(&self, name: &Name) -> Result<(String, usize, Vec<Name>), ApiError> {
         let machine = self.machine(name.as_str()).await?;
         let (pools, _) = self.list::<MachinePool>(POOLS).await?;
         match owning_pool(&pools, &machine.object.metadata.labels) {
             Some(pool) => {
                 let (machines, _) = self.list::<Machine>(MACHINES).await?;
-                let members = machines
+                let members: Vec<&Machine> = machines
                     .iter()
-                    .filter(|m| owning_pool(&pools, &m.object.metadata.labels).map(|p| &p.metadata.name) == Some(&pool.metadata.name))
-                    .count();
-                Ok((format!("{LEASES}{}", pool.metadata.name_str()), pool.spec.rollout.max_unavailable.resolve(members)))
+                    .map(|m| &m.object)
+                    .filter(|m| owning_pool(&pools, &m.metadata.labels).map(|p| &p.metadata.name) == Some(&pool.metadata.name))
+                    .collect();
+                let down = members
+                    .iter()
+                    .filter(|m| m.metadata.name.as_ref() != Some(name) && !is_available(m))
+                    .filter_map(|m| m.metadata.name.clone())
+                    .collect();
+                Ok((format!("{LEASES}{}", pool.metadata.name_str()), pool.spec.rollout.max_unavailable.resolve(members.len()), down))
             }
-            None => Ok((format!("{LEASES}-{name}"), 1)),
+            None => Ok((format!("{LEASES}-{name}"), 1, Vec::new())),
         }
     }
 
@@ -74,7 +89,7 @@ impl Registry {
         if !(MIN_TTL_SECS..=MAX_TTL_SECS).contains(&ttl_secs) {
             return Err(ApiError::invalid("ttlSeconds", format!("must be between {MIN_TTL_SECS} and {MAX_TTL_SECS}")));
         }
-        let (key, budget) = self.lease_scope(name).await?;
+        let (key, budget, down) = self.lease_scope(name).await?;
         for _ in 0..CAS_ATTEMPTS {
             let current: Option<Versioned<PoolLeases>> = self.get(&key).await?;
             let now = meta::now();
@@ -88,9 +103,11 @@ impl Registry {
             let lease = if let Some(l) = set.leases.iter_mut().find(|l| &l.machine == name) {
                 l.expires_at = expires_at;
                 l.clone()
-            } else if set.leases.len() >= budget {
-                let holders = set.leases.iter().map(|l| l.machine.to_string()).collect::<Vec<_>>().join(", ");
-                return Ok(Decision::Wait { message: format!("{} of {budget} disruptions in use ({holders})", set.leases.len()) });
+            } else if set.leases.len() + down.iter().filter(|d| !set.leases.iter().any(|l| &l.machine == *d)).count() >= budget {
+                let holders = set.leases.iter().map(|l| l.machine.to_string());
+                let unavailable = down.iter().filter(|d| !set.leases.iter().any(|l| &l.machine == *d)).map(|d| format!("{d} (not Ready)"));
+                let all: Vec<String> = holders.chain(unavailable).collect();
+                return Ok(Decision::Wait { message: format!("{} of {budget} allowed unavailable ({})", all.len(), all.join(", ")) });
             } else {
                 let id: [u8; 8] = rand::random();
                 let l = Lease { id: hex::encode(id), machine: name.clone(), reason: reason.to_owned(), granted_at: now, expires_at };
@@ -123,7 +140,7 @@ impl Registry {
         {
             return Err(ApiError::invalid("ttlSeconds", format!("must be between {MIN_TTL_SECS} and {MAX_TTL_SECS}")));
         }
-        let (key, _) = self.lease_scope(name).await?;
+        let (key, _, _) = self.lease_scope(name).await?;
         for _ in 0..CAS_ATTEMPTS {
             let Some(current) = self.get::<PoolLeases>(&key).await? else {
                 return Err(ApiError::NotFound(format!("lease {id} not found")));

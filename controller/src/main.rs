@@ -35,8 +35,8 @@ enum Command {
         /// Seconds without a heartbeat before a machine is Reachable=False (3 heartbeat intervals).
         #[arg(long, default_value_t = 30)]
         unreachable_after_seconds: u64,
-        /// Seconds between re-checks of pool membership.
-        #[arg(long, default_value_t = 30)]
+        /// Seconds between rollout passes when nothing reports (they also run on every change).
+        #[arg(long, default_value_t = 5)]
         reconcile_interval_seconds: u64,
         /// Seconds a spec long-poll waits by default.
         #[arg(long, default_value_t = 60)]

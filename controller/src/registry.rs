@@ -7,6 +7,8 @@
 //! - `/tokens/<id>`       StoredToken: the BootstrapToken and the SHA-256 of its secret
 //! - `/identities/<name>` Identity: the certificate serials that may act as the machine
 //! - `/events/<name>`     the machine's recent events, newest last
+//! - `/revisions/<pool>/<revision, 20 digits>`  PoolRevision: a template kept for history and undo
+//! - `/rollouts/<pool>`   RolloutState: what a rollout must remember across restarts
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -31,6 +33,8 @@ pub const POOLS: &str = "/pools/";
 pub const TOKENS: &str = "/tokens/";
 pub const IDENTITIES: &str = "/identities/";
 pub const EVENTS: &str = "/events/";
+pub const REVISIONS: &str = "/revisions/";
+pub const ROLLOUTS: &str = "/rollouts/";
 
 /// Events kept per machine.
 const EVENTS_KEPT: usize = 200;
@@ -71,9 +75,15 @@ pub struct Registry {
     /// process avoids a storm of compare-and-swap retries when a fleet boots at once with one
     /// token. The compare-and-swap still guards against other writers.
     enroll_lock: tokio::sync::Mutex<()>,
+    /// One rollout pass at a time in this process, so two passes never both fill the same
+    /// free slot of a pool's budget.
+    pub(crate) rollout_lock: tokio::sync::Mutex<()>,
+    /// Woken when a pool member's progress changes (generation applied, Ready, Degraded,
+    /// reachability), so rollouts move at once rather than at the next periodic pass.
+    pub rollout_wake: tokio::sync::Notify,
 }
 
-fn encode<T: Serialize>(value: &T) -> Vec<u8> {
+pub(crate) fn encode<T: Serialize>(value: &T) -> Vec<u8> {
     // Serialising our own types to JSON cannot fail: no maps with non-string keys.
     serde_json::to_vec(value).unwrap_or_else(|e| panic!("serialising a stored object: {e}"))
 }
@@ -82,7 +92,7 @@ fn decode<T: DeserializeOwned>(key: &str, bytes: &[u8]) -> Result<T, ApiError> {
     serde_json::from_slice(bytes).map_err(|e| ApiError::Internal(format!("stored object {key} is unreadable: {e}")))
 }
 
-fn not_found(kind: &str, name: &str) -> ApiError {
+pub(crate) fn not_found(kind: &str, name: &str) -> ApiError {
     ApiError::NotFound(format!("{kind} {name:?} not found"))
 }
 
@@ -113,7 +123,7 @@ impl<T: HasMeta> Versioned<T> {
     }
 }
 
-fn new_uid() -> String {
+pub(crate) fn new_uid() -> String {
     let b: [u8; 16] = rand::random();
     let h = hex::encode(b);
     format!("{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
@@ -123,6 +133,11 @@ fn new_uid() -> String {
 pub fn parse_resource_version(rv: Option<&str>) -> Result<Option<u64>, ApiError> {
     rv.map(|s| s.parse::<u64>().map_err(|_| ApiError::invalid("metadata.resourceVersion", format!("{s:?} is not a resourceVersion"))))
         .transpose()
+}
+
+/// What a rollout decides on: the generation applied and the conditions' statuses.
+fn progress(m: &Machine) -> (u64, Vec<(String, ConditionStatus)>) {
+    (m.status.observed_generation, m.status.conditions.iter().map(|c| (c.type_.clone(), c.status)).collect())
 }
 
 /// The pool a machine with these labels belongs to: of the pools whose selector matches,
@@ -137,7 +152,13 @@ pub fn owning_pool<'a>(pools: &'a [Versioned<MachinePool>], labels: &BTreeMap<St
 
 impl Registry {
     pub fn new(store: Arc<dyn Store>, authority: Arc<Authority>) -> Self {
-        Registry { store, authority, enroll_lock: tokio::sync::Mutex::new(()) }
+        Registry {
+            store,
+            authority,
+            enroll_lock: tokio::sync::Mutex::new(()),
+            rollout_lock: tokio::sync::Mutex::new(()),
+            rollout_wake: tokio::sync::Notify::new(),
+        }
     }
 
     pub async fn get<T: DeserializeOwned>(&self, key: &str) -> Result<Option<Versioned<T>>, ApiError> {
@@ -291,132 +312,41 @@ impl Registry {
         }
     }
 
-    /// Creates or updates a pool, then brings its machines to its template.
-    pub async fn apply_pool(&self, input: MachinePool) -> Result<Versioned<MachinePool>, ApiError> {
-        let name = input.metadata.name.clone().ok_or_else(|| ApiError::invalid("metadata.name", "is required"))?;
-        let expected = parse_resource_version(input.metadata.resource_version.as_deref())?;
-        let key = format!("{POOLS}{name}");
-        let current: Option<Versioned<MachinePool>> = self.get(&key).await?;
-        if let Some(rv) = expected
-            && current.as_ref().map(|c| c.revision) != Some(rv)
-        {
-            return Err(ApiError::Conflict(format!("pool {name} changed since resourceVersion {rv}: read it again")));
-        }
-        let (pool, precondition) = match &current {
-            Some(cur) => {
-                let mut p = cur.object.clone();
-                validate_spec_change("spec.template.spec", &p.spec.template.spec, &input.spec.template.spec)?;
-                if p.spec != input.spec {
-                    p.metadata.generation += 1;
-                    if p.spec.template != input.spec.template {
-                        p.status.revision += 1;
-                    }
-                    p.spec = input.spec;
-                }
-                p.metadata.labels = input.metadata.labels;
-                p.metadata.annotations = input.metadata.annotations;
-                (p, Precondition::Revision(cur.revision))
-            }
-            None => {
-                let mut p = input;
-                p.metadata.generation = 1;
-                p.metadata.resource_version = None;
-                p.metadata.uid = Some(new_uid());
-                p.metadata.creation_timestamp = Some(meta::now());
-                p.status = keelson_api::pool::PoolStatus { revision: 1, ..Default::default() };
-                (p, Precondition::Absent)
-            }
-        };
-        let revision = self.store.txn(vec![Op::Put { key, value: encode(&pool), precondition }]).await?;
-        self.reconcile_pools().await?;
-        Ok(Versioned { object: pool, revision })
-    }
-
-    pub async fn delete_pool(&self, name: &Name) -> Result<(), ApiError> {
-        match self.store.txn(vec![Op::Delete { key: format!("{POOLS}{name}"), precondition: Precondition::Exists }]).await {
-            Ok(_) => self.reconcile_pools().await,
-            Err(StoreError::Conflict { .. }) => Err(not_found("pool", name.as_str())),
-            Err(e) => Err(e.into()),
-        }
-    }
-
-    /// Gives every machine the template of the pool it belongs to, and clears the pool of
-    /// machines that left one (they keep the spec they had). Level-triggered: safe to run at
-    /// any time, and run periodically so that an interrupted propagation completes.
-    pub async fn reconcile_pools(&self) -> Result<(), ApiError> {
-        let (pools, _) = self.list::<MachinePool>(POOLS).await?;
-        let (machines, _) = self.list::<Machine>(MACHINES).await?;
-        for m in machines {
-            let pool = owning_pool(&pools, &m.object.metadata.labels);
-            let want_pool = pool.and_then(|p| p.metadata.name.clone());
-            let want_spec = pool.map(|p| &p.spec.template.spec);
-            let spec_differs = want_spec.is_some_and(|s| *s != m.object.spec);
-            if !spec_differs && m.object.status.pool == want_pool {
-                continue;
-            }
-            let name = m.object.metadata.name_str().to_owned();
-            let result = self
-                .update_machine(&name, |machine| {
-                    let pool = owning_pool(&pools, &machine.metadata.labels);
-                    let mut changed = false;
-                    if let Some(p) = pool
-                        && machine.spec != p.spec.template.spec
-                    {
-                        machine.spec = p.spec.template.spec.clone();
-                        machine.metadata.generation += 1;
-                        changed = true;
-                    }
-                    let want = pool.and_then(|p| p.metadata.name.clone());
-                    if machine.status.pool != want {
-                        machine.status.pool = want;
-                        changed = true;
-                    }
-                    Ok(changed)
-                })
-                .await;
-            match result {
-                Ok(updated) if spec_differs => {
-                    let message = format!(
-                        "generation {} from pool {}",
-                        updated.object.metadata.generation,
-                        want_pool.as_ref().map(Name::as_str).unwrap_or("")
-                    );
-                    self.record_event(&name, "Normal", "SpecChanged", &message, "controller").await?;
-                }
-                Ok(_) | Err(ApiError::NotFound(_)) => {}
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(())
-    }
-
     /// Stores what a machine's agent reported. The generation never changes here.
     pub async fn record_status(&self, name: &Name, report: AgentStatus) -> Result<Versioned<Machine>, ApiError> {
         let now = meta::now();
-        self.update_machine(name.as_str(), |m| {
-            if report.observed_generation > m.metadata.generation {
-                return Err(ApiError::invalid(
-                    "observedGeneration",
-                    format!("{} is newer than the machine's generation {}", report.observed_generation, m.metadata.generation),
-                ));
-            }
-            let reachable = meta::find_condition(&m.status.conditions, condition::REACHABLE).cloned();
-            m.status.phase = report.phase;
-            m.status.observed_generation = report.observed_generation;
-            m.status.conditions = report.conditions.iter().filter(|c| c.type_ != condition::REACHABLE).cloned().collect();
-            if let Some(r) = reachable {
-                m.status.conditions.push(r);
-            }
-            set_condition(&mut m.status.conditions, condition::REACHABLE, ConditionStatus::True, "Heartbeat", "", now);
-            m.status.versions = report.versions.clone();
-            if report.facts.is_some() {
-                m.status.facts = report.facts.clone();
-            }
-            m.status.current_step = report.current_step.clone();
-            m.status.last_heartbeat_time = Some(now);
-            Ok(true)
-        })
-        .await
+        let mut progressed = false;
+        let result = self
+            .update_machine(name.as_str(), |m| {
+                if report.observed_generation > m.metadata.generation {
+                    return Err(ApiError::invalid(
+                        "observedGeneration",
+                        format!("{} is newer than the machine's generation {}", report.observed_generation, m.metadata.generation),
+                    ));
+                }
+                let reachable = meta::find_condition(&m.status.conditions, condition::REACHABLE).cloned();
+                let before = progress(m);
+                m.status.phase = report.phase;
+                m.status.observed_generation = report.observed_generation;
+                m.status.conditions = report.conditions.iter().filter(|c| c.type_ != condition::REACHABLE).cloned().collect();
+                if let Some(r) = reachable {
+                    m.status.conditions.push(r);
+                }
+                set_condition(&mut m.status.conditions, condition::REACHABLE, ConditionStatus::True, "Heartbeat", "", now);
+                m.status.versions = report.versions.clone();
+                if report.facts.is_some() {
+                    m.status.facts = report.facts.clone();
+                }
+                m.status.current_step = report.current_step.clone();
+                m.status.last_heartbeat_time = Some(now);
+                progressed = m.status.pool.is_some() && progress(m) != before;
+                Ok(true)
+            })
+            .await;
+        if progressed {
+            self.rollout_wake.notify_one();
+        }
+        result
     }
 
     /// Marks machines that stopped reporting as unreachable. Returns how many changed.
@@ -453,6 +383,7 @@ impl Registry {
             match result {
                 Ok(_) => {
                     changed += 1;
+                    self.rollout_wake.notify_one();
                     self.record_event(&name, "Warning", "Unreachable", &message, "controller").await?;
                 }
                 Err(ApiError::NotFound(_)) => {}

@@ -151,7 +151,11 @@ async fn reachability_loop(app: Arc<App>, timeout: Duration, cancel: Cancellatio
     }
 }
 
+/// The rollout pass: at once when a pool member's progress changes, and every `period`
+/// anyway (canary soaks end by the clock, not by a report).
 async fn pool_loop(app: Arc<App>, period: Duration, cancel: CancellationToken) -> anyhow::Result<()> {
+    // Reports arrive in bursts; one pass after a short pause takes in the whole burst.
+    const GATHER: Duration = Duration::from_millis(100);
     loop {
         if let Err(e) = app.registry.reconcile_pools().await {
             tracing::warn!(error = %e, "pool reconcile failed");
@@ -159,6 +163,7 @@ async fn pool_loop(app: Arc<App>, period: Duration, cancel: CancellationToken) -
         tokio::select! {
             _ = cancel.cancelled() => return Ok(()),
             _ = tokio::time::sleep(period) => {}
+            _ = app.registry.rollout_wake.notified() => tokio::time::sleep(GATHER).await,
         }
     }
 }

@@ -398,13 +398,15 @@ async fn pools_propagate_templates_and_release_machines() -> R {
         json!({"apiVersion": "keelson.io/v1alpha1", "kind": "MachinePool", "metadata": {"name": "workers"},
                "spec": {"selector": {"matchLabels": {"pool": "workers"}}, "template": {"spec": runtime_spec(version)}}})
     };
-    assert_eq!(admin.put("/v1/pools/workers", &pool("1.6.20~ds1-1+deb12u2")).await?.status, 200);
+    // Machines joining a pool get its template at once (a rollout paces later revisions:
+    // see tests/rollout.rs).
     let p = admin.put("/v1/pools/workers", &pool("1.6.20~ds1-1+deb12u3")).await?;
-    assert_eq!(p.body["status"]["revision"], 2);
+    assert_eq!(p.body["status"]["revision"], 1);
     for name in ["w1", "w2"] {
         let m = admin.get(&format!("/v1/machines/{name}")).await?;
         assert_eq!(m.body["spec"]["containerRuntime"]["version"], "1.6.20~ds1-1+deb12u3", "{name}");
-        assert_eq!(m.body["metadata"]["generation"], 3, "{name}: empty spec, then two template revisions");
+        assert_eq!(m.body["metadata"]["generation"], 2, "{name}: empty spec, then the pool's template");
+        assert_eq!((m.body["status"]["pool"].as_str(), m.body["status"]["poolRevision"].as_u64()), (Some("workers"), Some(1)), "{name}");
     }
     let loner = admin.get("/v1/machines/loner").await?;
     assert_eq!(loner.body["spec"]["containerRuntime"]["version"], "1.6.20~ds1-1+deb12u2", "a machine in no pool keeps its spec");

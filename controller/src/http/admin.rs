@@ -8,8 +8,8 @@ use axum::extract::{Path, Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use keelson_api::machine::Machine;
-use keelson_api::meta::{ConditionStatus, Name, condition, find_condition};
-use keelson_api::pool::{MachinePool, PoolStatus};
+use keelson_api::meta::Name;
+use keelson_api::pool::{MachinePool, PoolRevision};
 use keelson_api::token::BootstrapToken;
 use keelson_api::validate::{parse_name, validate_machine, validate_pool};
 use keelson_api::wire::{Event, List, TokenCreated, TokenRequest, WatchEvent};
@@ -18,7 +18,7 @@ use serde::de::DeserializeOwned;
 
 use super::{App, JsonBody, PeerExt, require_admin};
 use crate::error::ApiError;
-use crate::registry::{HasMeta, MACHINES, POOLS, StoredToken, TOKENS, Versioned, owning_pool};
+use crate::registry::{HasMeta, MACHINES, POOLS, StoredToken, TOKENS, Versioned};
 use crate::store::Entry;
 
 #[derive(Debug, Deserialize)]
@@ -110,55 +110,53 @@ pub async fn machine_events(State(app): State<Arc<App>>, peer: PeerExt, Path(nam
 
 // ---- pools
 
-/// A pool's status counts, from its members as they are now.
-fn with_status(mut pool: MachinePool, pools: &[Versioned<MachinePool>], machines: &[Versioned<Machine>]) -> MachinePool {
-    let name = pool.metadata.name.clone();
-    let members = machines
-        .iter()
-        .map(|m| &m.object)
-        .filter(|m| owning_pool(pools, &m.metadata.labels).and_then(|p| p.metadata.name.as_ref()) == name.as_ref());
-    let is = |m: &Machine, t: &str, s: ConditionStatus| find_condition(&m.status.conditions, t).is_some_and(|c| c.status == s);
-    let mut status = PoolStatus { revision: pool.status.revision, conditions: pool.status.conditions.clone(), ..Default::default() };
-    for m in members {
-        status.machines += 1;
-        if m.is_converged() {
-            status.updated += 1;
-        } else if is(m, condition::UPDATING, ConditionStatus::True) {
-            status.updating += 1;
-        }
-        if is(m, condition::READY, ConditionStatus::True) {
-            status.ready += 1;
-        }
-        if is(m, condition::DEGRADED, ConditionStatus::True) {
-            status.degraded += 1;
-        }
-    }
-    pool.status = status;
-    pool
-}
-
 pub async fn list_pools(State(app): State<Arc<App>>, peer: PeerExt, Query(q): Query<ListQuery>) -> ApiResult<Response> {
     require_admin(&peer)?;
     if q.watch {
         return watch(app, POOLS, q.resource_version.as_deref(), stamped_value::<MachinePool>).await;
     }
+    // Status is the rollout pass's record of the pool's progress.
     let (pools, revision) = app.registry.list::<MachinePool>(POOLS).await?;
-    let (machines, _) = app.registry.list::<Machine>(MACHINES).await?;
-    let items = pools.iter().cloned().map(|p| with_status(p.stamped(), &pools, &machines)).collect();
+    let items = pools.into_iter().map(Versioned::stamped).collect();
     Ok(Json(List { items, resource_version: revision.to_string() }).into_response())
 }
 
 pub async fn get_pool(State(app): State<Arc<App>>, peer: PeerExt, Path(name): Path<String>) -> ApiResult<Json<MachinePool>> {
     require_admin(&peer)?;
-    let name = path_name(&name)?;
-    let (pools, _) = app.registry.list::<MachinePool>(POOLS).await?;
-    let pool = pools
-        .iter()
-        .find(|p| p.object.metadata.name.as_ref() == Some(&name))
-        .cloned()
-        .ok_or_else(|| ApiError::NotFound(format!("pool {name:?} not found")))?;
-    let (machines, _) = app.registry.list::<Machine>(MACHINES).await?;
-    Ok(Json(with_status(pool.stamped(), &pools, &machines)))
+    Ok(Json(app.registry.pool(path_name(&name)?.as_str()).await?.stamped()))
+}
+
+/// The pool's kept revisions, oldest first.
+pub async fn pool_revisions(State(app): State<Arc<App>>, peer: PeerExt, Path(name): Path<String>) -> ApiResult<Json<Vec<PoolRevision>>> {
+    require_admin(&peer)?;
+    Ok(Json(app.registry.revisions(path_name(&name)?.as_str()).await?))
+}
+
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct UndoRequest {
+    #[serde(default)]
+    pub to_revision: Option<u64>,
+}
+
+pub async fn undo_pool(
+    State(app): State<Arc<App>>,
+    peer: PeerExt,
+    Path(name): Path<String>,
+    JsonBody(req): JsonBody<UndoRequest>,
+) -> ApiResult<Json<MachinePool>> {
+    require_admin(&peer)?;
+    Ok(Json(app.registry.undo_pool(path_name(&name)?.as_str(), req.to_revision).await?.stamped()))
+}
+
+pub async fn pause_pool(State(app): State<Arc<App>>, peer: PeerExt, Path(name): Path<String>) -> ApiResult<Json<MachinePool>> {
+    require_admin(&peer)?;
+    Ok(Json(app.registry.set_paused(path_name(&name)?.as_str(), true).await?.stamped()))
+}
+
+pub async fn resume_pool(State(app): State<Arc<App>>, peer: PeerExt, Path(name): Path<String>) -> ApiResult<Json<MachinePool>> {
+    require_admin(&peer)?;
+    Ok(Json(app.registry.set_paused(path_name(&name)?.as_str(), false).await?.stamped()))
 }
 
 pub async fn create_pool(State(app): State<Arc<App>>, peer: PeerExt, JsonBody(p): JsonBody<MachinePool>) -> ApiResult<Response> {

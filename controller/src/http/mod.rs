@@ -66,6 +66,10 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/machines/{name}/events", get(admin::machine_events))
         .route("/v1/pools", get(admin::list_pools).post(admin::create_pool))
         .route("/v1/pools/{name}", get(admin::get_pool).put(admin::put_pool).delete(admin::delete_pool))
+        .route("/v1/pools/{name}/revisions", get(admin::pool_revisions))
+        .route("/v1/pools/{name}/rollout/undo", post(admin::undo_pool))
+        .route("/v1/pools/{name}/rollout/pause", post(admin::pause_pool))
+        .route("/v1/pools/{name}/rollout/resume", post(admin::resume_pool))
         .route("/v1/tokens", get(admin::list_tokens).post(admin::create_token))
         .route("/v1/tokens/{name}", get(admin::get_token).delete(admin::delete_token))
         .route_layer(axum::middleware::from_fn_with_state(app.clone(), track));

@@ -1,0 +1,394 @@
+//! MachinePools: their revisions (history and undo), pause and resume, and the rollout pass
+//! that hands each member the current revision when the scheduler (`rollout`) says so.
+
+use std::collections::BTreeMap;
+
+use keelson_api::machine::Machine;
+use keelson_api::meta::{self, ConditionStatus, Name, annotation, condition, find_condition, set_condition};
+use keelson_api::pool::{MachinePool, PoolRevision, PoolStatus};
+use keelson_api::validate::validate_spec_change;
+
+use crate::error::ApiError;
+use crate::registry::{
+    MACHINES, POOLS, REVISIONS, ROLLOUTS, Registry, Versioned, encode, new_uid, not_found, owning_pool, parse_resource_version,
+};
+use crate::rollout::{self, Member, RolloutState};
+use crate::store::{Op, Precondition, StoreError};
+
+/// How a revision was made by an automatic undo (such revisions are not undone again).
+const AUTO_UNDO: &str = "auto undo";
+
+fn revision_key(pool: &str, revision: u64) -> String {
+    format!("{REVISIONS}{pool}/{revision:020}")
+}
+
+fn revision_record(revision: u64, cause: String, pool: &MachinePool) -> PoolRevision {
+    PoolRevision { revision, created: meta::now(), cause, template: pool.spec.template.clone() }
+}
+
+/// How the scheduler sees a machine of a pool at `revision` with template `pool`.
+fn member_view(m: &Machine, pool: &MachinePool) -> Member {
+    let pool_name = pool.metadata.name.as_ref();
+    let is_true = |t| find_condition(&m.status.conditions, t).is_some_and(|c| c.status == ConditionStatus::True);
+    let unreachable = find_condition(&m.status.conditions, condition::REACHABLE).is_some_and(|c| c.status == ConditionStatus::False);
+    let revision = if m.spec == pool.spec.template.spec {
+        Some(pool.status.revision)
+    } else if m.status.pool.as_ref() == pool_name {
+        Some(m.status.pool_revision.unwrap_or(0))
+    } else {
+        None
+    };
+    let at_generation = m.status.observed_generation == m.metadata.generation;
+    Member {
+        name: m.metadata.name_str().to_owned(),
+        priority: m.metadata.annotations.get(annotation::ROLLOUT_PRIORITY).and_then(|p| p.parse().ok()).unwrap_or(0),
+        wave: pool.spec.rollout.wave_label.as_ref().and_then(|l| m.metadata.labels.get(l)).cloned().unwrap_or_default(),
+        revision,
+        converged: m.is_converged() && !unreachable,
+        ready: is_true(condition::READY) && !unreachable,
+        failed: (at_generation && is_true(condition::DEGRADED))
+            .then(|| find_condition(&m.status.conditions, condition::DEGRADED).map(|c| c.message.clone()).unwrap_or_default()),
+    }
+}
+
+impl Registry {
+    /// Creates or updates a pool. A template change makes a new revision, kept in the
+    /// history; the rollout pass then moves the members to it at the pool's pace.
+    pub async fn apply_pool(&self, input: MachinePool) -> Result<Versioned<MachinePool>, ApiError> {
+        let name = input.metadata.name.clone().ok_or_else(|| ApiError::invalid("metadata.name", "is required"))?;
+        let expected = parse_resource_version(input.metadata.resource_version.as_deref())?;
+        let key = format!("{POOLS}{name}");
+        let current: Option<Versioned<MachinePool>> = self.get(&key).await?;
+        if let Some(rv) = expected
+            && current.as_ref().map(|c| c.revision) != Some(rv)
+        {
+            return Err(ApiError::Conflict(format!("pool {name} changed since resourceVersion {rv}: read it again")));
+        }
+        let (pool, precondition, new_revision) = match &current {
+            Some(cur) => {
+                let mut p = cur.object.clone();
+                validate_spec_change("spec.template.spec", &p.spec.template.spec, &input.spec.template.spec)?;
+                let mut new_revision = false;
+                if p.spec != input.spec {
+                    p.metadata.generation += 1;
+                    if p.spec.template != input.spec.template {
+                        p.status.revision += 1;
+                        new_revision = true;
+                    }
+                    p.spec = input.spec;
+                }
+                p.metadata.labels = input.metadata.labels;
+                p.metadata.annotations = input.metadata.annotations;
+                (p, Precondition::Revision(cur.revision), new_revision)
+            }
+            None => {
+                let mut p = input;
+                p.metadata.generation = 1;
+                p.metadata.resource_version = None;
+                p.metadata.uid = Some(new_uid());
+                p.metadata.creation_timestamp = Some(meta::now());
+                p.status = PoolStatus { revision: 1, ..Default::default() };
+                (p, Precondition::Absent, true)
+            }
+        };
+        let mut ops = vec![Op::Put { key, value: encode(&pool), precondition }];
+        if new_revision {
+            let record = revision_record(pool.status.revision, "applied".into(), &pool);
+            ops.push(Op::Put {
+                key: revision_key(name.as_str(), record.revision),
+                value: encode(&record),
+                precondition: Precondition::None,
+            });
+        }
+        let revision = self.store.txn(ops).await?;
+        if new_revision {
+            self.prune_revisions(&pool).await?;
+        }
+        self.reconcile_pools().await?;
+        Ok(Versioned { object: pool, revision })
+    }
+
+    /// Deletes a pool with its history and rollout state; its machines keep their specs.
+    pub async fn delete_pool(&self, name: &Name) -> Result<(), ApiError> {
+        let mut ops = vec![Op::Delete { key: format!("{POOLS}{name}"), precondition: Precondition::Exists }];
+        for r in self.store.list(&format!("{REVISIONS}{name}/")).await?.entries {
+            ops.push(Op::Delete { key: r.key.clone(), precondition: Precondition::None });
+        }
+        ops.push(Op::Delete { key: format!("{ROLLOUTS}{name}"), precondition: Precondition::None });
+        match self.store.txn(ops).await {
+            Ok(_) => self.reconcile_pools().await,
+            Err(StoreError::Conflict { key, .. }) if key.starts_with(POOLS) => Err(not_found("pool", name.as_str())),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    pub async fn pool(&self, name: &str) -> Result<Versioned<MachinePool>, ApiError> {
+        self.get(&format!("{POOLS}{name}")).await?.ok_or_else(|| not_found("pool", name))
+    }
+
+    /// The pool's kept revisions, oldest first.
+    pub async fn revisions(&self, name: &str) -> Result<Vec<PoolRevision>, ApiError> {
+        self.pool(name).await?;
+        let (items, _) = self.list::<PoolRevision>(&format!("{REVISIONS}{name}/")).await?;
+        Ok(items.into_iter().map(|v| v.object).collect())
+    }
+
+    async fn prune_revisions(&self, pool: &MachinePool) -> Result<(), ApiError> {
+        let name = pool.metadata.name_str();
+        let listing = self.store.list(&format!("{REVISIONS}{name}/")).await?;
+        // The current revision plus `revisionHistoryLimit` earlier ones.
+        let keep = pool.spec.rollout.revision_history_limit as usize + 1;
+        let excess = listing.entries.len().saturating_sub(keep);
+        let ops: Vec<Op> =
+            listing.entries.iter().take(excess).map(|e| Op::Delete { key: e.key.clone(), precondition: Precondition::None }).collect();
+        if !ops.is_empty() {
+            self.store.txn(ops).await?;
+        }
+        Ok(())
+    }
+
+    /// Sets `spec.rollout.paused`.
+    pub async fn set_paused(&self, name: &str, paused: bool) -> Result<Versioned<MachinePool>, ApiError> {
+        let current = self.pool(name).await?;
+        let mut pool = current.object;
+        if pool.spec.rollout.paused != paused {
+            pool.spec.rollout.paused = paused;
+            pool.metadata.generation += 1;
+        }
+        let key = format!("{POOLS}{name}");
+        let revision =
+            self.store.txn(vec![Op::Put { key, value: encode(&pool), precondition: Precondition::Revision(current.revision) }]).await?;
+        self.reconcile_pools().await?;
+        Ok(Versioned { object: pool, revision })
+    }
+
+    /// Rolls the pool back to an earlier revision's template (by default the newest earlier
+    /// one that differs from the current), as a new revision rolled out at the pool's pace.
+    pub async fn undo_pool(&self, name: &str, to: Option<u64>) -> Result<Versioned<MachinePool>, ApiError> {
+        let pool = {
+            let _pass = self.rollout_lock.lock().await;
+            self.undo_locked(name, to, None).await?
+        };
+        self.reconcile_pools().await?;
+        Ok(pool)
+    }
+
+    async fn undo_locked(&self, name: &str, to: Option<u64>, auto: Option<&str>) -> Result<Versioned<MachinePool>, ApiError> {
+        let current = self.pool(name).await?;
+        let mut pool = current.object;
+        let history = self.revisions(name).await?;
+        let target = match to {
+            Some(n) => history.iter().find(|r| r.revision == n).ok_or_else(|| {
+                let kept = history.iter().map(|r| r.revision.to_string()).collect::<Vec<_>>().join(", ");
+                ApiError::invalid("toRevision", format!("revision {n} of pool {name} is not in its history (kept: {kept})"))
+            })?,
+            None => history
+                .iter()
+                .rev()
+                .find(|r| r.revision < pool.status.revision && r.template != pool.spec.template)
+                .ok_or_else(|| ApiError::invalid("toRevision", format!("pool {name} has no earlier revision to go back to")))?,
+        };
+        if target.template == pool.spec.template {
+            return Err(ApiError::invalid("toRevision", format!("revision {} is what pool {name} runs already", target.revision)));
+        }
+        validate_spec_change("spec.template.spec", &pool.spec.template.spec, &target.template.spec)?;
+        let cause = match auto {
+            Some(why) => format!("{AUTO_UNDO} to revision {}: {why}", target.revision),
+            None => format!("undo to revision {}", target.revision),
+        };
+        pool.spec.template = target.template.clone();
+        pool.metadata.generation += 1;
+        pool.status.revision += 1;
+        let record = revision_record(pool.status.revision, cause, &pool);
+        let revision = self
+            .store
+            .txn(vec![
+                Op::Put { key: format!("{POOLS}{name}"), value: encode(&pool), precondition: Precondition::Revision(current.revision) },
+                Op::Put { key: revision_key(name, record.revision), value: encode(&record), precondition: Precondition::None },
+            ])
+            .await?;
+        self.prune_revisions(&pool).await?;
+        Ok(Versioned { object: pool, revision })
+    }
+
+    /// The rollout pass: for every pool, hands the current revision to the members the
+    /// scheduler picks, records the pool's progress, and clears machines that left a pool
+    /// (they keep the spec they had). Level-triggered: safe to run at any time, and run
+    /// periodically so that rollouts move as machines report.
+    pub async fn reconcile_pools(&self) -> Result<(), ApiError> {
+        let _pass = self.rollout_lock.lock().await;
+        let (pools, _) = self.list::<MachinePool>(POOLS).await?;
+        let (machines, _) = self.list::<Machine>(MACHINES).await?;
+        let mut members: BTreeMap<&str, Vec<&Machine>> = BTreeMap::new();
+        for m in &machines {
+            match owning_pool(&pools, &m.object.metadata.labels) {
+                Some(p) => members.entry(p.metadata.name_str()).or_default().push(&m.object),
+                None if m.object.status.pool.is_some() => {
+                    self.leave_pool(m.object.metadata.name_str()).await?;
+                }
+                None => {}
+            }
+        }
+        let views: BTreeMap<&str, Vec<Member>> = pools
+            .iter()
+            .map(|p| {
+                let name = p.object.metadata.name_str();
+                (name, members.get(name).map(|ms| ms.iter().map(|m| member_view(m, &p.object)).collect()).unwrap_or_default())
+            })
+            .collect();
+        let rolled_out = |pool: &MachinePool, ms: &[Member]| ms.iter().all(|m| m.revision == Some(pool.status.revision) && m.converged);
+        for p in &pools {
+            let pool = &p.object;
+            let name = pool.metadata.name_str();
+            let ms = &views[name];
+            let blocked_by: Vec<String> = pool
+                .spec
+                .rollout
+                .after
+                .iter()
+                .filter(|before| {
+                    pools
+                        .iter()
+                        .find(|q| q.object.metadata.name.as_ref() == Some(before))
+                        .is_some_and(|q| !rolled_out(&q.object, &views[before.as_str()]))
+                })
+                .map(|n| n.to_string())
+                .collect();
+            let state_key = format!("{ROLLOUTS}{name}");
+            let stored: Option<Versioned<RolloutState>> = self.get(&state_key).await?;
+            let state = stored.as_ref().map(|s| s.object.clone()).unwrap_or_default();
+            let decision = rollout::schedule(rollout::Input {
+                rollout: &pool.spec.rollout,
+                revision: pool.status.revision,
+                members: ms,
+                state: state.clone(),
+                blocked_by,
+                now: meta::now(),
+            });
+            for machine in members.get(name).into_iter().flatten() {
+                let n = machine.metadata.name_str();
+                let at_template = machine.spec == pool.spec.template.spec;
+                let lagging = machine.status.pool.as_ref() != pool.metadata.name.as_ref()
+                    || machine.status.pool_revision != Some(pool.status.revision);
+                if decision.update.iter().any(|u| u == n) || (at_template && lagging) {
+                    self.give_revision(n, pool).await?;
+                }
+            }
+            if decision.state != state || stored.is_none() {
+                self.store.txn(vec![Op::Put { key: state_key, value: encode(&decision.state), precondition: Precondition::None }]).await?;
+            }
+            self.record_pool_status(pool, p.revision, &decision).await?;
+            let cause =
+                self.get::<PoolRevision>(&revision_key(name, pool.status.revision)).await?.map(|r| r.object.cause).unwrap_or_default();
+            if let Some(why) = &decision.halted
+                && pool.spec.rollout.auto_undo
+                && !cause.starts_with(AUTO_UNDO)
+            {
+                match self.undo_locked(name, None, Some(why)).await {
+                    Ok(undone) => {
+                        tracing::warn!(pool = name, revision = undone.object.status.revision, %why, "rollout halted; undone automatically")
+                    }
+                    Err(e) => tracing::warn!(pool = name, error = %e, "rollout halted; automatic undo failed"),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Gives a machine its pool's current template (a new generation when the spec changes).
+    async fn give_revision(&self, name: &str, pool: &MachinePool) -> Result<(), ApiError> {
+        let mut spec_changed = false;
+        let result = self
+            .update_machine(name, |machine| {
+                // Re-check: its labels may have moved it since the listing.
+                if !pool.spec.selector.matches(&machine.metadata.labels) {
+                    return Ok(false);
+                }
+                spec_changed = machine.spec != pool.spec.template.spec;
+                let lagging = machine.status.pool.as_ref() != pool.metadata.name.as_ref()
+                    || machine.status.pool_revision != Some(pool.status.revision);
+                if !spec_changed && !lagging {
+                    return Ok(false);
+                }
+                if spec_changed {
+                    machine.spec = pool.spec.template.spec.clone();
+                    machine.metadata.generation += 1;
+                }
+                machine.status.pool = pool.metadata.name.clone();
+                machine.status.pool_revision = Some(pool.status.revision);
+                Ok(true)
+            })
+            .await;
+        match result {
+            Ok(updated) if spec_changed => {
+                let message = format!(
+                    "generation {} from pool {} revision {}",
+                    updated.object.metadata.generation,
+                    pool.metadata.name_str(),
+                    pool.status.revision
+                );
+                self.record_event(name, "Normal", "SpecChanged", &message, "controller").await
+            }
+            Ok(_) | Err(ApiError::NotFound(_)) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn leave_pool(&self, name: &str) -> Result<(), ApiError> {
+        let result = self
+            .update_machine(name, |machine| {
+                let changed = machine.status.pool.is_some() || machine.status.pool_revision.is_some();
+                machine.status.pool = None;
+                machine.status.pool_revision = None;
+                Ok(changed)
+            })
+            .await;
+        match result {
+            Ok(_) | Err(ApiError::NotFound(_)) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn record_pool_status(&self, pool: &MachinePool, stored_at: u64, d: &rollout::Decision) -> Result<(), ApiError> {
+        let mut status = pool.status.clone();
+        let c = d.counts;
+        status.machines = c.machines;
+        status.updated = c.updated;
+        status.updating = c.updating;
+        status.ready = c.ready;
+        status.degraded = c.degraded;
+        status.waiting = c.waiting;
+        status.wave = d.wave.clone();
+        status.message = d.message.clone();
+        let now = meta::now();
+        match &d.halted {
+            Some(why) => set_condition(&mut status.conditions, condition::ROLLOUT_HALTED, ConditionStatus::True, "MaxFailures", why, now),
+            None => set_condition(&mut status.conditions, condition::ROLLOUT_HALTED, ConditionStatus::False, "AsExpected", "", now),
+        };
+        let revision = pool.status.revision;
+        if d.rolled_out {
+            set_condition(
+                &mut status.conditions,
+                condition::ROLLED_OUT,
+                ConditionStatus::True,
+                "Complete",
+                &format!("revision {revision}"),
+                now,
+            );
+        } else {
+            let message = format!("revision {revision}: {} of {} updated; {}", c.updated, c.machines, d.message);
+            set_condition(&mut status.conditions, condition::ROLLED_OUT, ConditionStatus::False, "Progressing", &message, now);
+        }
+        if status == pool.status {
+            return Ok(());
+        }
+        let mut updated = pool.clone();
+        updated.status = status;
+        let key = format!("{POOLS}{}", pool.metadata.name_str());
+        match self.store.txn(vec![Op::Put { key, value: encode(&updated), precondition: Precondition::Revision(stored_at) }]).await {
+            // Changed meanwhile (an apply): the next pass records the status.
+            Ok(_) | Err(StoreError::Conflict { .. }) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+}

@@ -1,0 +1,214 @@
+//! Rollouts across a fleet: machines enrolled with the real agent binary, then driven by
+//! simulated agents that speak the agent protocol (long-poll for the spec, status reports)
+//! and apply a generation at once — or fail it when the spec carries the file `/etc/fail`,
+//! as a real agent fails a step. The operator side is the real CLI.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use keelson_tests::{ApiClient, Controller, status_report};
+use serde_json::json;
+
+type R = anyhow::Result<()>;
+
+fn tmp() -> tempfile::TempDir {
+    tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"))
+}
+
+fn degraded_report(generation: u64) -> serde_json::Value {
+    let now = time::OffsetDateTime::now_utc().format(&time::format_description::well_known::Rfc3339).unwrap_or_default();
+    json!({
+        "phase": "Degraded",
+        "observedGeneration": generation,
+        "conditions": [
+            {"type": "Ready", "status": "False", "reason": "Degraded", "lastTransitionTime": now},
+            {"type": "UpToDate", "status": "False", "reason": "StepFailed", "lastTransitionTime": now},
+            {"type": "Degraded", "status": "True", "reason": "StepFailed", "message": "step 1/1 (write /etc/fail) failed: refused", "lastTransitionTime": now},
+        ],
+    })
+}
+
+/// A simulated agent: reports each new generation applied (or failed) after `work`, and
+/// heartbeats with its last report while idle, as the real agent does.
+async fn agent(client: ApiClient, work: Duration) -> anyhow::Result<()> {
+    let mut after = 0u64;
+    let mut report: Option<serde_json::Value> = None;
+    loop {
+        let a = client.get(&format!("/v1/agent/spec?after={after}&timeoutSeconds=1")).await?;
+        if a.status != 200 {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        }
+        let generation = a.body["generation"].as_u64().unwrap_or(0);
+        if generation != after || report.is_none() {
+            after = generation;
+            tokio::time::sleep(work).await;
+            let fails = a.body["spec"]["files"].as_array().is_some_and(|fs| fs.iter().any(|f| f["path"] == "/etc/fail"));
+            report = Some(if fails { degraded_report(generation) } else { status_report(generation) });
+        }
+        if let Some(r) = &report {
+            client.put("/v1/agent/status", r).await?;
+        }
+    }
+}
+
+fn pool(files: serde_json::Value, rollout: serde_json::Value) -> serde_json::Value {
+    json!({"apiVersion": "keelson.io/v1alpha1", "kind": "MachinePool", "metadata": {"name": "web"},
+           "spec": {"selector": {"matchLabels": {"pool": "web"}}, "rollout": rollout,
+                    "template": {"spec": {"roles": ["worker"], "files": files}}}})
+}
+
+fn file(path: &str, content: &str) -> serde_json::Value {
+    json!({"path": path, "content": content})
+}
+
+async fn wait_for(admin: &ApiClient, what: &str, secs: u64, ok: impl Fn(&serde_json::Value) -> bool) -> anyhow::Result<serde_json::Value> {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        let p = admin.get("/v1/pools/web").await?;
+        if ok(&p.body) {
+            return Ok(p.body);
+        }
+        anyhow::ensure!(Instant::now() < deadline, "{what} within {secs}s; pool status: {}", p.body["status"]);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn condition(pool: &serde_json::Value, type_: &str) -> (String, String) {
+    pool["status"]["conditions"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["type"] == type_))
+        .map(|c| (c["status"].as_str().unwrap_or("").to_owned(), c["message"].as_str().unwrap_or("").to_owned()))
+        .unwrap_or_default()
+}
+
+fn rolled_out(pool: &serde_json::Value) -> bool {
+    condition(pool, "RolledOut") == ("True".into(), format!("revision {}", pool["status"]["revision"]))
+}
+
+/// When each machine was given each pool revision, from the controller's SpecChanged events.
+async fn given(admin: &ApiClient, names: &[String]) -> anyhow::Result<BTreeMap<String, Vec<(u64, time::OffsetDateTime)>>> {
+    let mut out = BTreeMap::new();
+    for n in names {
+        let events = admin.get(&format!("/v1/machines/{n}/events")).await?;
+        let mut times = Vec::new();
+        for e in events.body.as_array().into_iter().flatten().filter(|e| e["reason"] == "SpecChanged") {
+            let message = e["message"].as_str().unwrap_or("");
+            let revision = message.rsplit(' ').next().and_then(|r| r.parse().ok()).unwrap_or(0);
+            let time = time::OffsetDateTime::parse(e["time"].as_str().unwrap_or(""), &time::format_description::well_known::Rfc3339)?;
+            times.push((revision, time));
+        }
+        out.insert(n.clone(), times);
+    }
+    Ok(out)
+}
+
+// Several threads: the simulated agents must keep running while the test waits on the CLI.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn canary_waves_halt_undo_and_pause_across_a_fleet() -> R {
+    let dir = tmp();
+    let c = Controller::start(dir.path(), &["--reconcile-interval-seconds", "1"])?;
+    let admin = c.admin()?;
+    let soak = 2;
+    let rollout = json!({"maxUnavailable": 2, "maxFailures": 1, "waveLabel": "rack", "canary": {"machines": 1, "soakSeconds": soak}});
+    assert_eq!(admin.put("/v1/pools/web", &pool(json!([file("/etc/motd", "one\n")]), rollout.clone())).await?.status, 200);
+
+    // Six machines in two racks, each enrolled with the real agent, then simulated.
+    let mut names = Vec::new();
+    let mut agents = tokio::task::JoinSet::new();
+    let states = tmp();
+    for rack in ["r1", "r2"] {
+        let token = c.token(&["--usages", "3", "--labels", &format!("pool=web,rack={rack}")])?;
+        for i in 0..3 {
+            let name = format!("{rack}-m{i}");
+            let client = c.enroll(&name, &token, &states.path().join(&name))?;
+            agents.spawn(agent(client, Duration::from_millis(300)));
+            names.push(name);
+        }
+    }
+    wait_for(&admin, "revision 1 rolled out to the six machines", 60, |p| rolled_out(p) && p["status"]["machines"] == 6).await?;
+
+    // Revision 2: the canary (r1-m0) alone, a soak, then rack r1, then rack r2, two at a time.
+    admin.put("/v1/pools/web", &pool(json!([file("/etc/motd", "two\n")]), rollout.clone())).await?;
+    wait_for(&admin, "revision 2 rolled out", 60, rolled_out).await?;
+    let times = given(&admin, &names).await?;
+    let at = |n: &str, rev: u64| times[n].iter().find(|(r, _)| *r == rev).map(|(_, t)| *t);
+    let canary = at("r1-m0", 2).ok_or_else(|| anyhow::anyhow!("the canary never got revision 2: {times:?}"))?;
+    for n in names.iter().filter(|n| *n != "r1-m0") {
+        let t = at(n, 2).ok_or_else(|| anyhow::anyhow!("{n} never got revision 2"))?;
+        assert!(t - canary >= time::Duration::seconds(soak), "{n} got revision 2 {} after the canary, before the {soak}s soak", t - canary);
+    }
+    let last_r1 = ["r1-m1", "r1-m2"].iter().filter_map(|n| at(n, 2)).max();
+    let first_r2 = ["r2-m0", "r2-m1", "r2-m2"].iter().filter_map(|n| at(n, 2)).min();
+    assert!(last_r1 < first_r2, "rack r2 started before rack r1 was done: {times:?}");
+
+    // Revision 3 fails on the canary: the rollout halts with the reason; nobody else moves.
+    admin.put("/v1/pools/web", &pool(json!([file("/etc/fail", "x\n")]), rollout.clone())).await?;
+    let halted = wait_for(&admin, "a halt", 30, |p| condition(p, "RolloutHalted").0 == "True").await?;
+    let (_, why) = condition(&halted, "RolloutHalted");
+    assert!(why.contains("r1-m0: step 1/1 (write /etc/fail) failed"), "{why}");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let times = given(&admin, &names).await?;
+    let moved: Vec<&String> = names.iter().filter(|n| times[*n].iter().any(|(r, _)| *r == 3)).collect();
+    assert_eq!(moved, vec!["r1-m0"], "only the canary was given the failing revision");
+    let status = c.cli(&["rollout", "status", "pool/web"])?;
+    assert_eq!(status.status.code(), Some(1), "status exits non-zero on a halted rollout");
+    assert!(String::from_utf8_lossy(&status.stderr).contains("halted"), "{}", String::from_utf8_lossy(&status.stderr));
+
+    // Undo brings the canary back to revision 2's template as revision 4.
+    let undo = c.cli(&["rollout", "undo", "pool/web"])?;
+    assert!(undo.status.success(), "{}", String::from_utf8_lossy(&undo.stderr));
+    let done = wait_for(&admin, "the undo rolled out", 30, rolled_out).await?;
+    assert_eq!(done["status"]["revision"], 4);
+    assert_eq!(done["spec"]["template"]["spec"]["files"][0]["content"], "two\n");
+    let history = c.cli(&["rollout", "history", "pool/web", "-o", "json"])?;
+    let history: serde_json::Value = serde_json::from_slice(&history.stdout)?;
+    let causes: Vec<&str> = history.as_array().into_iter().flatten().filter_map(|r| r["cause"].as_str()).collect();
+    assert_eq!(causes, vec!["applied", "applied", "applied", "undo to revision 2"]);
+    // Machines that never left revision 2's template were not touched by the undo.
+    let m = admin.get("/v1/machines/r2-m2").await?;
+    assert_eq!(m.body["status"]["poolRevision"], 4);
+    let times = given(&admin, &names).await?;
+    assert!(times["r2-m2"].iter().all(|(r, _)| *r != 4), "r2-m2 got a new generation for a template it had: {times:?}");
+
+    // Paused: a new revision reaches nobody until resumed; `status --watch` follows it to the end.
+    assert!(c.cli(&["rollout", "pause", "pool/web"])?.status.success());
+    let paused_rollout = json!({"maxUnavailable": 2, "maxFailures": 1, "waveLabel": "rack", "paused": true});
+    admin.put("/v1/pools/web", &pool(json!([file("/etc/motd", "five\n")]), paused_rollout)).await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let p = admin.get("/v1/pools/web").await?;
+    assert_eq!((p.body["status"]["revision"].as_u64(), p.body["status"]["waiting"].as_u64()), (Some(5), Some(6)), "{}", p.body["status"]);
+    assert_eq!(p.body["status"]["message"], "paused");
+    assert!(c.cli(&["rollout", "resume", "pool/web"])?.status.success());
+    let watch = c.cli(&["rollout", "status", "pool/web", "--watch"])?;
+    assert!(watch.status.success(), "{}", String::from_utf8_lossy(&watch.stderr));
+    let out = String::from_utf8_lossy(&watch.stdout);
+    assert!(out.trim_end().ends_with("rolled out"), "{out}");
+    assert!(out.contains("revision 5 ["), "{out}");
+    agents.abort_all();
+    Ok(())
+}
+
+#[tokio::test]
+async fn bad_rollout_requests_are_refused_and_change_nothing() -> R {
+    let dir = tmp();
+    let c = Controller::start(dir.path(), &[])?;
+    let admin = c.admin()?;
+    let bad = admin.put("/v1/pools/web", &pool(json!([]), json!({"maxFailures": 0, "canary": {"machines": 0}}))).await?;
+    assert_eq!(bad.status, 400);
+    assert!(bad.text.contains("spec.rollout.maxFailures") && bad.text.contains("spec.rollout.canary.machines"), "{}", bad.text);
+    assert_eq!(admin.get("/v1/pools/web").await?.status, 404);
+    admin.put("/v1/pools/web", &pool(json!([file("/etc/motd", "one\n")]), json!({}))).await?;
+    let undo = admin.post("/v1/pools/web/rollout/undo", &json!({})).await?;
+    assert_eq!(undo.status, 400);
+    assert!(undo.text.contains("no earlier revision"), "{}", undo.text);
+    let undo = admin.post("/v1/pools/web/rollout/undo", &json!({"toRevision": 7})).await?;
+    assert!(undo.text.contains("revision 7 of pool web is not in its history (kept: 1)"), "{}", undo.text);
+    let unknown = admin.post("/v1/pools/web/rollout/undo", &json!({"toRevison": 1})).await?;
+    assert_eq!(unknown.status, 400, "{}", unknown.text);
+    let p = admin.get("/v1/pools/web").await?;
+    assert_eq!((p.body["status"]["revision"].as_u64(), p.body["metadata"]["generation"].as_u64()), (Some(1), Some(1)));
+    let out = c.cli(&["rollout", "status", "web"])?;
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("expected pool/NAME"));
+    Ok(())
+}
