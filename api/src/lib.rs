@@ -11,6 +11,7 @@ pub mod tls;
 pub mod token;
 pub mod validate;
 pub mod version;
+pub mod window;
 pub mod wire;
 
 pub use meta::API_VERSION;

@@ -60,6 +60,9 @@ pub struct RolloutSpec {
     /// How many earlier revisions are kept for `rollout undo`.
     #[serde(default = "default_history")]
     pub revision_history_limit: u32,
+    /// When disruptive steps may start; always when empty.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub maintenance_windows: Vec<crate::window::MaintenanceWindow>,
 }
 
 impl Default for RolloutSpec {
@@ -73,6 +76,7 @@ impl Default for RolloutSpec {
             wave_label: None,
             auto_undo: false,
             revision_history_limit: default_history(),
+            maintenance_windows: Vec::new(),
         }
     }
 }

@@ -135,6 +135,18 @@ pub fn validate_pool(p: &MachinePool) -> Result<(), ValidationError> {
     if p.spec.rollout.canary.as_ref().is_some_and(|c| c.machines == 0) {
         errors.add("spec.rollout.canary.machines", "must be at least 1");
     }
+    for (i, w) in p.spec.rollout.maintenance_windows.iter().enumerate() {
+        let at = format!("spec.rollout.maintenanceWindows[{i}]");
+        if w.days.is_empty() {
+            errors.add(format!("{at}.days"), "must name at least one day (Mon … Sun)");
+        }
+        if w.start == w.end {
+            errors.add(format!("{at}.end"), "must differ from start");
+        }
+        if let Err(message) = crate::window::check_time_zone(&w.time_zone) {
+            errors.add(format!("{at}.timeZone"), message);
+        }
+    }
     if !(1..=100).contains(&p.spec.rollout.revision_history_limit) {
         errors.add("spec.rollout.revisionHistoryLimit", "must be between 1 and 100");
     }

@@ -11,6 +11,7 @@
 use keelson_api::machine::Machine;
 use keelson_api::meta::{self, Name, Timestamp};
 use keelson_api::pool::MachinePool;
+use keelson_api::window::MaintenanceWindow;
 use serde::{Deserialize, Serialize};
 
 use crate::error::ApiError;
@@ -63,7 +64,7 @@ impl Registry {
     /// member count, and the other members that are unavailable already (not Ready, or
     /// unreachable), which use up the budget as leases do. A machine in no pool disrupts
     /// only itself.
-    async fn lease_scope(&self, name: &Name) -> Result<(String, usize, Vec<Name>), ApiError> {
+    async fn lease_scope(&self, name: &Name) -> Result<(String, usize, Vec<Name>, Vec<MaintenanceWindow>), ApiError> {
         let machine = self.machine(name.as_str()).await?;
         let (pools, _) = self.list::<MachinePool>(POOLS).await?;
         match owning_pool(&pools, &machine.object.metadata.labels) {
@@ -79,9 +80,10 @@ impl Registry {
                     .filter(|m| m.metadata.name.as_ref() != Some(name) && !is_available(m))
                     .filter_map(|m| m.metadata.name.clone())
                     .collect();
-                Ok((format!("{LEASES}{}", pool.metadata.name_str()), pool.spec.rollout.max_unavailable.resolve(members.len()), down))
+                let budget = pool.spec.rollout.max_unavailable.resolve(members.len());
+                Ok((format!("{LEASES}{}", pool.metadata.name_str()), budget, down, pool.spec.rollout.maintenance_windows.clone()))
             }
-            None => Ok((format!("{LEASES}-{name}"), 1, Vec::new())),
+            None => Ok((format!("{LEASES}-{name}"), 1, Vec::new(), Vec::new())),
         }
     }
 
@@ -89,7 +91,7 @@ impl Registry {
         if !(MIN_TTL_SECS..=MAX_TTL_SECS).contains(&ttl_secs) {
             return Err(ApiError::invalid("ttlSeconds", format!("must be between {MIN_TTL_SECS} and {MAX_TTL_SECS}")));
         }
-        let (key, budget, down) = self.lease_scope(name).await?;
+        let (key, budget, down, windows) = self.lease_scope(name).await?;
         for _ in 0..CAS_ATTEMPTS {
             let current: Option<Versioned<PoolLeases>> = self.get(&key).await?;
             let now = meta::now();
@@ -103,6 +105,9 @@ impl Registry {
             let lease = if let Some(l) = set.leases.iter_mut().find(|l| &l.machine == name) {
                 l.expires_at = expires_at;
                 l.clone()
+            } else if !keelson_api::window::any_open(&windows, now) {
+                let message = format!("outside the maintenance windows ({})", keelson_api::window::describe(&windows));
+                return Ok(Decision::Wait { message });
             } else if set.leases.len() + down.iter().filter(|d| !set.leases.iter().any(|l| &l.machine == *d)).count() >= budget {
                 let holders = set.leases.iter().map(|l| l.machine.to_string());
                 let unavailable = down.iter().filter(|d| !set.leases.iter().any(|l| &l.machine == *d)).map(|d| format!("{d} (not Ready)"));
@@ -140,7 +145,7 @@ impl Registry {
         {
             return Err(ApiError::invalid("ttlSeconds", format!("must be between {MIN_TTL_SECS} and {MAX_TTL_SECS}")));
         }
-        let (key, _, _) = self.lease_scope(name).await?;
+        let (key, ..) = self.lease_scope(name).await?;
         for _ in 0..CAS_ATTEMPTS {
             let Some(current) = self.get::<PoolLeases>(&key).await? else {
                 return Err(ApiError::NotFound(format!("lease {id} not found")));

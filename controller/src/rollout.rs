@@ -64,6 +64,13 @@ pub struct Input<'a> {
     pub now: Timestamp,
 }
 
+impl Input<'_> {
+    /// Whether a maintenance window is open (always, without windows).
+    fn window_open(&self) -> bool {
+        keelson_api::window::any_open(&self.rollout.maintenance_windows, self.now)
+    }
+}
+
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Decision {
     /// Give these the current revision now.
@@ -99,6 +106,7 @@ pub fn ordered(members: &[Member]) -> Vec<&Member> {
 }
 
 pub fn schedule(input: Input<'_>) -> Decision {
+    let window_open = input.window_open();
     let Input { rollout, revision, members, mut state, blocked_by, now } = input;
     if state.revision != revision {
         state = RolloutState { revision, ..RolloutState::default() };
@@ -140,6 +148,10 @@ pub fn schedule(input: Input<'_>) -> Decision {
     }
     if !blocked_by.is_empty() {
         d.message = format!("waiting for pool {} to roll out first", blocked_by.join(", "));
+        return d;
+    }
+    if !window_open {
+        d.message = format!("outside the maintenance windows ({})", keelson_api::window::describe(&rollout.maintenance_windows));
         return d;
     }
 
@@ -282,6 +294,22 @@ mod tests {
         let d = run(&rollout, &ms, RolloutState::default(), 0);
         assert_eq!(d.update, vec!["new"]);
         assert_eq!(d.halted.as_deref(), Some("2 of revision 2 failed (maxFailures 2): a: apt: version X of containerd not found; b: boom"));
+    }
+
+    #[test]
+    fn nothing_starts_outside_the_maintenance_windows() {
+        let window: keelson_api::window::MaintenanceWindow =
+            serde_json::from_value(serde_json::json!({"days": ["Mon"], "start": "22:00", "end": "23:00"}))
+                .unwrap_or_else(|e| panic!("{e}"));
+        let rollout = RolloutSpec { maintenance_windows: vec![window], ..RolloutSpec::default() };
+        let ms = vec![member("a", Some(1)), member("new", None)];
+        // t(0) is 2027-01-15 08:00 UTC, a Friday.
+        let d = run(&rollout, &ms, RolloutState::default(), 0);
+        assert_eq!(d.update, vec!["new"], "joiners only");
+        assert_eq!(d.message, "outside the maintenance windows (Mon 22:00–23:00 UTC)");
+        // Monday 2027-01-18 22:30 UTC.
+        let monday = (3 * 24 + 14) * 3600 + 30 * 60;
+        assert_eq!(run(&rollout, &ms, RolloutState::default(), monday).update, vec!["new", "a"]);
     }
 
     #[test]

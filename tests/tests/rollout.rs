@@ -212,3 +212,48 @@ async fn bad_rollout_requests_are_refused_and_change_nothing() -> R {
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("expected pool/NAME"));
     Ok(())
 }
+
+#[tokio::test]
+async fn leases_count_members_that_are_not_ready_and_wait_for_the_maintenance_window() -> R {
+    let dir = tmp();
+    let c = Controller::start(dir.path(), &[])?;
+    let admin = c.admin()?;
+    admin.put("/v1/pools/web", &pool(json!([]), json!({"maxUnavailable": 1}))).await?;
+    let token = c.token(&["--usages", "2", "--labels", "pool=web"])?;
+    let states = tmp();
+    let a = c.enroll("a", &token, &states.path().join("a"))?;
+    let b = c.enroll("b", &token, &states.path().join("b"))?;
+    let ask = json!({"reason": "restart containerd", "ttlSeconds": 60});
+    // b reports Ready; a reports nothing yet, so it is not Ready and uses the one slot.
+    b.put("/v1/agent/status", &status_report(2)).await?;
+    let wait = b.post("/v1/agent/disruptions", &ask).await?;
+    assert_eq!(wait.status, 429, "{}", wait.text);
+    assert!(wait.text.contains("1 of 1 allowed unavailable (a (not Ready))"), "{}", wait.text);
+    a.put("/v1/agent/status", &status_report(2)).await?;
+    let granted = b.post("/v1/agent/disruptions", &ask).await?;
+    assert_eq!(granted.status, 201, "{}", granted.text);
+    let id = granted.body["id"].as_str().unwrap_or_default().to_owned();
+    assert_eq!(b.request(reqwest::Method::DELETE, &format!("/v1/agent/disruptions/{id}"), None).await?.status, 204);
+
+    // A window that is not open now (an hour that has just passed, every day, in UTC).
+    let hour = time::OffsetDateTime::now_utc().hour();
+    let (start, end) = (format!("{:02}:00", (hour + 22) % 24), format!("{:02}:00", (hour + 23) % 24));
+    let window = json!({"days": ["Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun"], "start": start, "end": end, "timeZone": "UTC"});
+    let bad = admin
+        .put(
+            "/v1/pools/web",
+            &pool(json!([]), json!({"maintenanceWindows": [{"days": [], "start": "25:00", "end": "01:00", "timeZone": "Mars/Base"}]})),
+        )
+        .await?;
+    assert_eq!(bad.status, 400);
+    assert!(bad.text.contains("maintenanceWindows[0]"), "{}", bad.text);
+    assert_eq!(admin.put("/v1/pools/web", &pool(json!([]), json!({"maintenanceWindows": [window]}))).await?.status, 200);
+    let closed = b.post("/v1/agent/disruptions", &ask).await?;
+    assert_eq!(closed.status, 429, "{}", closed.text);
+    assert!(
+        closed.text.contains(&format!("outside the maintenance windows (Mon,Tue,Wed,Thu,Fri,Sat,Sun {start}–{end} UTC)")),
+        "{}",
+        closed.text
+    );
+    Ok(())
+}
