@@ -257,3 +257,56 @@ async fn leases_count_members_that_are_not_ready_and_wait_for_the_maintenance_wi
     );
     Ok(())
 }
+
+fn named_pool(name: &str, content: &str, rollout: serde_json::Value) -> serde_json::Value {
+    json!({"apiVersion": "keelson.io/v1alpha1", "kind": "MachinePool", "metadata": {"name": name},
+           "spec": {"selector": {"matchLabels": {"pool": name}}, "rollout": rollout,
+                    "template": {"spec": {"roles": ["worker"], "files": [file("/etc/motd", content)]}}}})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_pool_starts_only_when_the_pools_it_follows_have_rolled_out() -> R {
+    let dir = tmp();
+    let c = Controller::start(dir.path(), &["--reconcile-interval-seconds", "1"])?;
+    let admin = c.admin()?;
+    admin.put("/v1/pools/db", &named_pool("db", "one\n", json!({}))).await?;
+    admin.put("/v1/pools/web", &named_pool("web", "one\n", json!({"after": ["db"]}))).await?;
+    let states = tmp();
+    let mut agents = tokio::task::JoinSet::new();
+    for (pool, work_ms) in [("db", 3000), ("web", 100)] {
+        let token = c.token(&["--usages", "1", "--labels", &format!("pool={pool}")])?;
+        let client = c.enroll(&format!("{pool}-1"), &token, &states.path().join(pool))?;
+        agents.spawn(agent(client, Duration::from_millis(work_ms)));
+    }
+    let converged_at = |name: &'static str, generation: u64| {
+        let admin = admin.clone();
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            loop {
+                let m = admin.get(&format!("/v1/machines/{name}")).await?;
+                if m.body["status"]["observedGeneration"] == generation && m.body["metadata"]["generation"] == generation {
+                    return anyhow::Ok(Instant::now());
+                }
+                anyhow::ensure!(Instant::now() < deadline, "{name} at generation {generation}: {}", m.body["status"]);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    converged_at("db-1", 2).await?;
+    converged_at("web-1", 2).await?;
+    // Both pools change together; web waits for db (3 s of work) to roll out.
+    admin.put("/v1/pools/db", &named_pool("db", "two\n", json!({}))).await?;
+    admin.put("/v1/pools/web", &named_pool("web", "two\n", json!({"after": ["db"]}))).await?;
+    let web = admin.get("/v1/pools/web").await?;
+    assert_eq!(web.body["status"]["message"], "waiting for pool db to roll out first", "{}", web.body["status"]);
+    assert_eq!(admin.get("/v1/machines/web-1").await?.body["metadata"]["generation"], 2, "web-1 was given revision 2 before db rolled out");
+    let db_done = converged_at("db-1", 3).await?;
+    let web_done = converged_at("web-1", 3).await?;
+    assert!(web_done > db_done);
+    let times = given(&admin, &["db-1".to_owned(), "web-1".to_owned()]).await?;
+    let db_given = times["db-1"].iter().find(|(r, _)| *r == 2).map(|(_, t)| *t);
+    let web_given = times["web-1"].iter().find(|(r, _)| *r == 2).map(|(_, t)| *t);
+    assert!(db_given.zip(web_given).is_some_and(|(d, w)| w - d >= time::Duration::seconds(3)), "{times:?}");
+    agents.abort_all();
+    Ok(())
+}
