@@ -242,22 +242,32 @@ impl Registry {
                             ),
                         ));
                     }
-                    template.clone()
+                    // A member keeps the revision the rollout gave it; a joiner takes the
+                    // current one at once.
+                    match &current {
+                        Some(cur) if cur.object.status.pool == pool.metadata.name => cur.object.spec.clone(),
+                        _ => template.clone(),
+                    }
                 }
                 None => input.spec.clone(),
             };
             let pool_name = pool.and_then(|p| p.metadata.name.clone());
+            let pool_revision = pool.map(|p| p.status.revision);
             let (machine, precondition) = match &current {
                 Some(cur) => {
                     let mut m = cur.object.clone();
                     validate_spec_change("spec", &m.spec, &spec)?;
+                    let joining = m.status.pool != pool_name;
                     if m.spec != spec {
                         m.metadata.generation += 1;
                         m.spec = spec;
                     }
                     m.metadata.labels = input.metadata.labels.clone();
                     m.metadata.annotations = input.metadata.annotations.clone();
-                    m.status.pool = pool_name;
+                    if joining {
+                        m.status.pool = pool_name;
+                        m.status.pool_revision = pool_revision.filter(|_| m.status.pool.is_some());
+                    }
                     (m, Precondition::Revision(cur.revision))
                 }
                 None => {
@@ -269,6 +279,7 @@ impl Registry {
                     m.metadata.creation_timestamp = Some(meta::now());
                     m.spec = spec;
                     m.status.phase = Some(Phase::Pending);
+                    m.status.pool_revision = pool_revision.filter(|_| pool_name.is_some());
                     m.status.pool = pool_name;
                     (m, Precondition::Absent)
                 }
@@ -533,9 +544,12 @@ impl Registry {
                 machine.metadata.labels.insert(k.clone(), v.clone());
             }
             if let Some(pool) = owning_pool(&pools, &machine.metadata.labels) {
-                if machine.spec != pool.spec.template.spec {
+                // A machine that was in this pool before (re-enrolling) keeps the revision the
+                // rollout gave it; a new member takes the current one.
+                if machine.status.pool != pool.metadata.name && machine.spec != pool.spec.template.spec {
                     machine.spec = pool.spec.template.spec.clone();
                     machine.metadata.generation += 1;
+                    machine.status.pool_revision = Some(pool.status.revision);
                 }
                 machine.status.pool = pool.metadata.name.clone();
             }

@@ -179,6 +179,14 @@ async fn canary_waves_halt_undo_and_pause_across_a_fleet() -> R {
     let p = admin.get("/v1/pools/web").await?;
     assert_eq!((p.body["status"]["revision"].as_u64(), p.body["status"]["waiting"].as_u64()), (Some(5), Some(6)), "{}", p.body["status"]);
     assert_eq!(p.body["status"]["message"], "paused");
+    // Re-applying a member (a new label) does not hand it the paused revision either.
+    let before = admin.get("/v1/machines/r2-m2").await?;
+    let relabelled = keelson_tests::machine_json("r2-m2", json!({"pool": "web", "rack": "r2", "owner": "ops"}), json!({}));
+    assert_eq!(admin.put("/v1/machines/r2-m2", &relabelled).await?.status, 200);
+    let after = admin.get("/v1/machines/r2-m2").await?;
+    assert_eq!(after.body["metadata"]["generation"], before.body["metadata"]["generation"]);
+    assert_eq!(after.body["spec"], before.body["spec"]);
+    assert_eq!(after.body["metadata"]["labels"]["owner"], "ops");
     assert!(c.cli(&["rollout", "resume", "pool/web"])?.status.success());
     let watch = c.cli(&["rollout", "status", "pool/web", "--watch"])?;
     assert!(watch.status.success(), "{}", String::from_utf8_lossy(&watch.stderr));
