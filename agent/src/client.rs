@@ -139,6 +139,14 @@ impl Controller {
             .map(|_| ())
     }
 
+    /// Tells the controller the machine is reset; it then forgets the machine.
+    pub async fn reset_done(&self, summary: &str) -> Result<(), ClientError> {
+        let body = serde_json::json!({"summary": summary});
+        self.call::<serde_json::Value>(Method::POST, "/v1/agent/reset", Some(body), Duration::from_secs(REQUEST_TIMEOUT_SECS))
+            .await
+            .map(|_| ())
+    }
+
     pub async fn acquire_lease(&self, reason: &str, ttl: Duration) -> Result<LeaseAnswer, ClientError> {
         let body = serde_json::json!({"reason": reason, "ttlSeconds": ttl.as_secs()});
         let (status, bytes) =

@@ -76,7 +76,10 @@ pub async fn run(config: AgentConfig, cancel: CancellationToken) -> anyhow::Resu
     let (spec_tx, spec_rx) = watch::channel::<Option<AgentSpec>>(None);
 
     let mut tasks: JoinSet<anyhow::Result<()>> = JoinSet::new();
-    tasks.spawn(poll_spec(controller.clone(), spec_tx, cancel.clone()));
+    // Its own token: a decommission stops the poller before the controller revokes the
+    // identity, so that the poller's 403 is not taken for a failure.
+    let polling = cancel.child_token();
+    tasks.spawn(poll_spec(controller.clone(), spec_tx, polling.clone()));
     tasks.spawn(send_status(controller.clone(), report.clone(), spec_rx.clone(), config.heartbeat_interval, cancel.clone()));
     let rotation = Rotation { state_dir: config.state_dir.clone(), controller: controller.clone(), name: identity_name(&config)? };
     let reconciler = Reconciler {
@@ -86,7 +89,7 @@ pub async fn run(config: AgentConfig, cancel: CancellationToken) -> anyhow::Resu
         report: report.clone(),
         cancel: cancel.clone(),
     };
-    tasks.spawn(reconcile_loop(reconciler, rotation, spec_rx, config.drift_interval, cancel.clone()));
+    tasks.spawn(reconcile_loop(reconciler, rotation, spec_rx, config.drift_interval, polling, cancel.clone()));
     tasks.spawn(watchdog(cancel.clone()));
     notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status("waiting for the spec")]);
 
@@ -260,11 +263,54 @@ impl Rotation {
     }
 }
 
+/// The machine was deleted: reset it, tell the controller (which then forgets it), forget
+/// the identity, and keep the agent from starting again at boot. The agent then exits 0, which
+/// systemd (`Restart=on-failure`) leaves alone.
+async fn decommission(reconciler: &Reconciler, cancel: &CancellationToken) -> anyhow::Result<()> {
+    let report = &reconciler.report;
+    report.event("Normal", "ResetStarted", "the machine was deleted: undoing what keelson installed");
+    report.condition(condition::UPDATING, ConditionStatus::True, "Resetting", "the machine was deleted");
+    let reset = crate::reset::reset_machine(&reconciler.state_dir).await;
+    let summary = reset.summary();
+    tracing::info!(%summary, "reset done");
+    let mut attempt = 0;
+    loop {
+        let events = report.take_events();
+        let sent = async {
+            if !events.is_empty() {
+                reconciler.controller.events(events.clone()).await?;
+            }
+            reconciler.controller.reset_done(&summary).await
+        }
+        .await;
+        match sent {
+            Ok(()) => break,
+            Err(e) => {
+                report.update(|s| {
+                    s.events.splice(0..0, events);
+                });
+                attempt += 1;
+                tracing::warn!(error = %e, "could not report the reset; retrying");
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff(attempt)) => {}
+                    _ = cancel.cancelled() => anyhow::bail!("stopped before the controller heard of the reset; it runs again at the next start"),
+                }
+            }
+        }
+    }
+    crate::reset::forget_identity(&reconciler.state_dir).context("forgetting the machine's identity")?;
+    if let Err(e) = systemd::disable("keelson-agent").await {
+        tracing::warn!(error = %e, "could not disable keelson-agent; it would fail to start without an identity anyway");
+    }
+    Ok(())
+}
+
 async fn reconcile_loop(
     reconciler: Reconciler,
     rotation: Rotation,
     mut spec: watch::Receiver<Option<AgentSpec>>,
     drift_every: Duration,
+    polling: CancellationToken,
     cancel: CancellationToken,
 ) -> anyhow::Result<()> {
     // Nothing to do before the first spec arrives.
@@ -280,6 +326,12 @@ async fn reconcile_loop(
     loop {
         let current = spec.borrow_and_update().clone();
         let Some(current) = current else { continue };
+        if current.deleting {
+            polling.cancel();
+            decommission(&reconciler, &cancel).await?;
+            cancel.cancel();
+            return Ok(());
+        }
         reconciler.refresh_versions(&current.spec);
         let outcome = reconciler.reconcile(current.generation, &current.spec).await;
         reconciler.refresh_versions(&current.spec);

@@ -13,7 +13,7 @@ use crate::state::{self, StateError};
 
 pub const LEDGER_FILE: &str = "ledger.json";
 
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Ledger {
     /// Names of the bootstrap scripts that have succeeded on this machine.
@@ -21,6 +21,10 @@ pub struct Ledger {
     pub bootstrapped: BTreeSet<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub runtime_artifact: Option<InstalledArtifact>,
+    /// The spec last carried out, so that a reset knows what keelson put here even when the
+    /// controller cannot be asked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spec: Option<keelson_api::machine::MachineSpec>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -107,6 +111,7 @@ mod tests {
                 version: "1.7.22".into(),
                 binaries: BTreeMap::from([("/usr/local/bin/containerd".to_owned(), stamp)]),
             }),
+            spec: None,
         };
         ledger.save(root.path())?;
         let loaded = Ledger::load(root.path())?;

@@ -14,4 +14,5 @@ pub mod ledger;
 pub mod observe;
 pub mod plan;
 pub mod reconcile;
+pub mod reset;
 pub mod state;

@@ -48,6 +48,14 @@ enum Command {
     },
     /// Show the journal: the generation being applied and how far it got.
     Status,
+    /// Undo what keelson put on this machine (kubelet, containerd, holds, repositories, managed
+    /// files) and forget its identity, without asking the controller. Deleting the machine
+    /// (`keelson delete machine NAME`) makes a running agent do this by itself.
+    Reset {
+        /// Confirm: this stops the kubelet and containerd and removes them.
+        #[arg(long)]
+        yes: bool,
+    },
 }
 
 fn init_logging(level: &str) {
@@ -143,6 +151,16 @@ fn main() -> ExitCode {
                 Ok(ExitCode::SUCCESS)
             }
             Command::Plan { spec } => plan_command(&cli, spec).await,
+            Command::Reset { yes } => {
+                if !yes {
+                    anyhow::bail!("reset stops and removes the kubelet and containerd keelson installed and forgets this machine's identity; run it with --yes");
+                }
+                let state_dir = cli.state_dir.clone().unwrap_or_else(|| config::DEFAULT_STATE_DIR.into());
+                let reset = keelson_agent::reset::reset_machine(&state_dir).await;
+                keelson_agent::reset::forget_identity(&state_dir)?;
+                println!("{}", reset.summary());
+                Ok(if reset.failed.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+            }
             Command::Status => {
                 let state_dir = cli.state_dir.clone().unwrap_or_else(|| config::DEFAULT_STATE_DIR.into());
                 match journal::Journal::load(&state_dir)? {

@@ -213,6 +213,11 @@ impl Reconciler {
                     Ok(o) => o,
                     Err(e) => return self.degraded(generation, "ObserveFailed", e.to_string()),
                 };
+                if ledger.spec.as_ref() != Some(spec)
+                    && let Err(e) = Ledger::update(&self.state_dir, |l| l.spec = Some(spec.clone()))
+                {
+                    return self.degraded(generation, "LedgerUnwritable", e.to_string());
+                }
                 let ctx = Context { generation, rebooted_for_generation: rebooted_for };
                 let steps = match plan::plan(spec, &observed, &ctx) {
                     Ok(s) => s,

@@ -129,6 +129,9 @@ pub struct ObjectMeta {
     pub creation_timestamp: Option<Timestamp>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub uid: Option<String>,
+    /// Set by the controller when deletion was asked for and waits on the machine's agent.
+    #[serde(default, skip_serializing_if = "Option::is_none", with = "time::serde::rfc3339::option")]
+    pub deletion_timestamp: Option<Timestamp>,
 }
 
 fn is_zero(n: &u64) -> bool {

@@ -38,6 +38,17 @@ pub struct AgentSpec {
     pub generation: u64,
     pub changed: bool,
     pub spec: MachineSpec,
+    /// The machine is being deleted: reset it, then say so (`POST /v1/agent/reset`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub deleting: bool,
+}
+
+/// `POST /v1/agent/reset`: the agent has reset the machine; the controller forgets it.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ResetDone {
+    /// What the reset did, for the events.
+    pub summary: String,
 }
 
 /// `PUT /v1/agent/status`: what the agent observed and did.

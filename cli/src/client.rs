@@ -80,13 +80,13 @@ impl Client {
         serde_json::from_slice(&bytes).with_context(|| format!("unexpected answer to {path}"))
     }
 
-    /// A call whose answer has no body (204).
-    pub async fn call_empty(&self, method: Method, path: &str) -> anyhow::Result<()> {
+    /// A call whose answer needs no body; returns the status (204, or 202 for accepted).
+    pub async fn call_empty(&self, method: Method, path: &str) -> anyhow::Result<StatusCode> {
         let (status, bytes) = self.send(method, path, None).await?;
         if !status.is_success() {
             return Err(server_error(status, &bytes));
         }
-        Ok(())
+        Ok(status)
     }
 }
 

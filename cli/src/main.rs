@@ -47,8 +47,14 @@ enum Command {
     },
     /// Show a machine in detail: spec, status, conditions with reasons, recent events.
     Describe { kind: DescribeKind, name: String },
-    /// Delete a resource.
-    Delete { kind: Kind, name: String },
+    /// Delete a resource. An enrolled machine is reset by its agent first, then goes.
+    Delete {
+        kind: Kind,
+        name: String,
+        /// A machine: delete it at once, without its agent's reset (it is gone for good).
+        #[arg(long)]
+        force: bool,
+    },
     /// Bootstrap tokens.
     Token {
         #[command(subcommand)]
@@ -298,16 +304,24 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let events: Vec<Event> = client.call(Method::GET, &format!("/v1/machines/{name}/events"), None::<&()>).await?;
             print!("{}", output::describe_machine(&m, &events)?);
         }
-        Command::Delete { kind, ref name } => {
+        Command::Delete { kind, ref name, force } => {
             parse_name("NAME", name)?;
-            let client = connect()?;
-            client.call_empty(Method::DELETE, &format!("{}/{name}", kind.path())).await?;
             let what = match kind {
                 Kind::Machines => "machine",
                 Kind::Pools => "pool",
                 Kind::Tokens => "token",
             };
-            println!("{what}/{name} deleted");
+            if force && !matches!(kind, Kind::Machines) {
+                bail!("--force applies to machines only");
+            }
+            let client = connect()?;
+            let query = if force { "?force=true" } else { "" };
+            let status = client.call_empty(Method::DELETE, &format!("{}/{name}{query}", kind.path())).await?;
+            if status == reqwest::StatusCode::ACCEPTED {
+                println!("{what}/{name} is being deleted: its agent resets the machine, then it goes (keelson events {what}/{name})");
+            } else {
+                println!("{what}/{name} deleted");
+            }
         }
         Command::Token { command: TokenCommand::Create { ref ttl, usages, ref labels, allow_reenroll, ref description, output } } => {
             let request = TokenRequest {

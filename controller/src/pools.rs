@@ -220,7 +220,8 @@ impl Registry {
         let (pools, _) = self.list::<MachinePool>(POOLS).await?;
         let (machines, _) = self.list::<Machine>(MACHINES).await?;
         let mut members: BTreeMap<&str, Vec<&Machine>> = BTreeMap::new();
-        for m in &machines {
+        // A machine being deleted is no longer the rollout's: its agent is resetting it.
+        for m in machines.iter().filter(|m| m.object.metadata.deletion_timestamp.is_none()) {
             match owning_pool(&pools, &m.object.metadata.labels) {
                 Some(p) => members.entry(p.metadata.name_str()).or_default().push(&m.object),
                 None if m.object.status.pool.is_some() => {

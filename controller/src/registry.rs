@@ -228,6 +228,11 @@ impl Registry {
                     }));
                 }
             }
+            if let Some(cur) = &current
+                && cur.object.metadata.deletion_timestamp.is_some()
+            {
+                return Err(ApiError::Conflict(format!("machine {name} is being deleted (waiting for its agent to reset it)")));
+            }
             let (pools, _) = self.list::<MachinePool>(POOLS).await?;
             let pool = owning_pool(&pools, &input.metadata.labels);
             let spec = match pool {
@@ -306,18 +311,64 @@ impl Registry {
     }
 
     /// Deletes a machine and revokes its identity.
-    pub async fn delete_machine(&self, name: &Name) -> Result<(), ApiError> {
+    /// Deletes a machine. An enrolled machine is first reset by its agent: it is marked
+    /// (`deletionTimestamp`, a new generation so its long-poll answers) and goes when the agent
+    /// reports the reset (`complete_reset`); `force` deletes at once. Returns the marked
+    /// machine, or `None` when it is gone. Its events stay.
+    pub async fn delete_machine(&self, name: &Name, force: bool) -> Result<Option<Versioned<Machine>>, ApiError> {
+        let enrolled = self.get::<Identity>(&format!("{IDENTITIES}{name}")).await?.is_some();
+        if force || !enrolled {
+            self.forget_machine(name).await?;
+            return Ok(None);
+        }
+        let now = meta::now();
+        let mut newly = false;
+        let marked = self
+            .update_machine(name.as_str(), |m| {
+                if m.metadata.deletion_timestamp.is_some() {
+                    return Ok(false);
+                }
+                newly = true;
+                m.metadata.deletion_timestamp = Some(now);
+                m.metadata.generation += 1;
+                m.status.phase = Some(Phase::Deleting);
+                Ok(true)
+            })
+            .await?;
+        if newly {
+            self.record_event(name.as_str(), "Normal", "DeletionRequested", "waiting for the agent to reset the machine", "controller")
+                .await?;
+        }
+        Ok(Some(marked))
+    }
+
+    /// The agent reset its machine after a deletion: forget it.
+    pub async fn complete_reset(&self, name: &Name, summary: &str) -> Result<(), ApiError> {
+        let m = self.machine(name.as_str()).await?;
+        if m.object.metadata.deletion_timestamp.is_none() {
+            return Err(ApiError::Conflict(format!("machine {name} is not being deleted")));
+        }
+        self.record_event(name.as_str(), "Normal", "Reset", summary, "agent").await?;
+        self.forget_machine(name).await?;
+        self.record_event(name.as_str(), "Normal", "Deleted", "reset by its agent; identity revoked", "controller").await
+    }
+
+    /// Removes the machine and revokes its identity, keeping its events.
+    async fn forget_machine(&self, name: &Name) -> Result<(), ApiError> {
         let key = format!("{MACHINES}{name}");
         match self
             .store
             .txn(vec![
                 Op::Delete { key, precondition: Precondition::Exists },
                 Op::Delete { key: format!("{IDENTITIES}{name}"), precondition: Precondition::None },
-                Op::Delete { key: format!("{EVENTS}{name}"), precondition: Precondition::None },
             ])
             .await
         {
-            Ok(_) => Ok(()),
+            Ok(_) => {
+                // A pool member leaving changes its pool's budget and progress.
+                self.rollout_wake.notify_one();
+                Ok(())
+            }
             Err(StoreError::Conflict { .. }) => Err(not_found("machine", name.as_str())),
             Err(e) => Err(e.into()),
         }

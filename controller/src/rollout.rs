@@ -190,8 +190,18 @@ pub fn schedule(input: Input<'_>) -> Decision {
             None => order.clone(),
         };
     }
-    let slots = budget.saturating_sub(unavailable);
-    let next: Vec<String> = candidates.iter().filter(|m| m.revision.is_some() && !current(m)).take(slots).map(|m| m.name.clone()).collect();
+    // A member that is unavailable already (a failed canary being undone, a machine that is
+    // down) takes the revision without using a slot: updating it disrupts nothing more.
+    let mut slots = budget.saturating_sub(unavailable);
+    let mut next: Vec<String> = Vec::new();
+    for m in candidates.iter().filter(|m| m.revision.is_some() && !current(m)) {
+        if !m.ready {
+            next.push(m.name.clone());
+        } else if slots > 0 {
+            slots -= 1;
+            next.push(m.name.clone());
+        }
+    }
     if next.is_empty() && d.message.is_empty() {
         d.message = if slots == 0 {
             format!("{unavailable} of {budget} allowed unavailable")
@@ -248,6 +258,19 @@ mod tests {
         ms[3].revision = Some(2);
         let d = run(&rollout, &ms, RolloutState::default(), 0);
         assert_eq!((d.update, d.wave.as_deref()), (vec!["a".to_owned()], Some("r2")));
+    }
+
+    #[test]
+    fn a_member_that_is_down_takes_the_revision_without_a_slot() {
+        // The canary failed the last revision and holds the only slot; the undo must reach it.
+        let rollout = RolloutSpec { canary: Some(CanarySpec { machines: 1, soak_seconds: 0 }), ..RolloutSpec::default() };
+        let mut ms = vec![member("a", Some(1)), member("b", Some(2)), member("c", Some(2))];
+        ms[0].ready = false;
+        ms[0].converged = false;
+        ms[0].failed = Some("apt: version X of containerd not found".into());
+        let d = run(&rollout, &ms, RolloutState::default(), 0);
+        assert_eq!(d.update, vec!["a"]);
+        assert!(d.halted.is_none(), "a failure of another revision does not halt this one");
     }
 
     #[test]
@@ -400,8 +423,10 @@ mod tests {
                     blocked_by: if blocked { vec!["before".into()] } else { Vec::new() },
                     now: t(now),
                 });
-                // Never more disrupted than the budget allows because of the scheduler.
-                prop_assert!(d.update.is_empty() || before_unavailable + d.update.len() <= budget,
+                // Never more disrupted than the budget allows because of the scheduler: only
+                // machines that are available now become unavailable by being updated.
+                let newly = d.update.iter().filter(|n| ms.iter().any(|m| &&m.name == n && m.ready && m.revision.is_some())).count();
+                prop_assert!(newly == 0 || before_unavailable + newly <= budget,
                     "{} unavailable + {:?} over budget {budget}", before_unavailable, d.update);
                 // Never before the pools it follows.
                 prop_assert!(!blocked || d.update.is_empty());

@@ -525,3 +525,50 @@ async fn agents_rotate_their_certificates_and_old_ones_stop_working() -> R {
     assert!(events.text.contains("CertificateRotated"), "{}", events.text);
     Ok(())
 }
+
+#[tokio::test]
+async fn a_deleted_machine_is_reset_by_its_agent_before_it_goes() -> R {
+    let dir = tmp();
+    let c = Controller::start(dir.path(), &[])?;
+    let admin = c.admin()?;
+    let token = c.token(&["--usages", "2"])?;
+    let m = c.enroll("m1", &token, tmp().path())?;
+    // Deleting an enrolled machine asks its agent to reset it first.
+    let out = c.cli(&["delete", "machine", "m1"])?;
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("machine/m1 is being deleted"), "{}", String::from_utf8_lossy(&out.stdout));
+    let pending = admin.get("/v1/machines/m1").await?;
+    assert_eq!(pending.body["status"]["phase"], "Deleting");
+    assert!(pending.body["metadata"]["deletionTimestamp"].is_string(), "{}", pending.text);
+    let spec = m.get("/v1/agent/spec?after=0&timeoutSeconds=1").await?;
+    assert_eq!(spec.body["deleting"], true, "{}", spec.text);
+    // Nothing may change it meanwhile; a reset it did not ask for is refused elsewhere.
+    let apply = admin.put("/v1/machines/m1", &machine_json("m1", json!({}), json!({}))).await?;
+    assert_eq!(apply.status, 409, "{}", apply.text);
+    let bad = m.post("/v1/agent/reset", &json!({"summary": "x", "extra": 1})).await?;
+    assert_eq!(bad.status, 400, "{}", bad.text);
+    assert_eq!(m.post("/v1/agent/reset", &json!({"summary": "reset: removed package containerd"})).await?.status, 204);
+    assert_eq!(admin.get("/v1/machines/m1").await?.status, 404);
+    // The identity is revoked, and the reset stays in the machine's events.
+    assert!(matches!(m.get("/v1/agent/spec?timeoutSeconds=1").await?.status, 401 | 403));
+    let events = c.cli(&["events", "machine/m1", "-o", "json"])?;
+    let events: serde_json::Value = serde_json::from_slice(&events.stdout)?;
+    let reasons: Vec<&str> = events.as_array().into_iter().flatten().filter_map(|e| e["reason"].as_str()).collect();
+    assert!(reasons.ends_with(&["DeletionRequested", "Reset", "Deleted"]), "{reasons:?}");
+    // A machine whose agent is gone for good: --force deletes at once.
+    let m2 = c.enroll("m2", &token, tmp().path())?;
+    let forced = c.cli(&["delete", "machine", "m2", "--force"])?;
+    assert!(String::from_utf8_lossy(&forced.stdout).contains("machine/m2 deleted"));
+    assert_eq!(admin.get("/v1/machines/m2").await?.status, 404);
+    assert!(matches!(m2.get("/v1/agent/spec?timeoutSeconds=1").await?.status, 401 | 403));
+    // A reset nobody asked for is refused, and changes nothing.
+    let token3 = c.token(&[])?;
+    let m3 = c.enroll("m3", &token3, tmp().path())?;
+    let unasked = m3.post("/v1/agent/reset", &json!({"summary": "reset: nothing"})).await?;
+    assert_eq!(unasked.status, 409, "{}", unasked.text);
+    assert!(unasked.text.contains("machine m3 is not being deleted"), "{}", unasked.text);
+    assert_eq!(admin.get("/v1/machines/m3").await?.status, 200);
+    admin.put("/v1/machines/never", &machine_json("never", json!({}), json!({}))).await?;
+    assert_eq!(admin.request(reqwest::Method::DELETE, "/v1/machines/never", None).await?.status, 204, "not enrolled: gone at once");
+    Ok(())
+}

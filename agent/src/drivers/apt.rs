@@ -87,6 +87,28 @@ pub async fn hold(names: &[String]) -> Result<(), AptError> {
     Ok(())
 }
 
+/// Lets other tools move these packages again.
+pub async fn unhold(names: &[String]) -> Result<(), AptError> {
+    if names.is_empty() {
+        return Ok(());
+    }
+    let mut argv = vec!["apt-mark", "unhold"];
+    argv.extend(names.iter().map(String::as_str));
+    run(&argv, ENV, Duration::from_secs(QUERY_TIMEOUT_SECS)).await?;
+    Ok(())
+}
+
+/// Removes packages, keeping their configuration files (not a purge).
+pub async fn remove(names: &[String]) -> Result<(), AptError> {
+    if names.is_empty() {
+        return Ok(());
+    }
+    let mut argv = vec!["apt-get", "remove", "-y", "-q", "--allow-change-held-packages", "-o", LOCK_WAIT];
+    argv.extend(names.iter().map(String::as_str));
+    run(&argv, ENV, Duration::from_secs(INSTALL_TIMEOUT_SECS)).await?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

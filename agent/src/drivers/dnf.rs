@@ -165,6 +165,26 @@ pub async fn hold(names: &[String]) -> Result<(), DnfError> {
     Ok(())
 }
 
+pub async fn unhold(names: &[String]) -> Result<(), DnfError> {
+    if names.is_empty() {
+        return Ok(());
+    }
+    let mut argv = vec!["dnf", "versionlock", "delete", "-q"];
+    argv.extend(names.iter().map(String::as_str));
+    run(&argv, &[], Duration::from_secs(TIMEOUT_SECS)).await?;
+    Ok(())
+}
+
+pub async fn remove(names: &[String]) -> Result<(), DnfError> {
+    if names.is_empty() {
+        return Ok(());
+    }
+    let mut argv = vec!["dnf", "remove", "-y", "-q"];
+    argv.extend(names.iter().map(String::as_str));
+    run(&argv, &[], Duration::from_secs(TIMEOUT_SECS)).await?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -158,6 +158,23 @@ impl Manager {
         Ok(())
     }
 
+    pub async fn unhold(self, names: &[String]) -> Result<(), PackageError> {
+        match self {
+            Manager::Apt => apt::unhold(names).await?,
+            Manager::Dnf => dnf::unhold(names).await?,
+        }
+        Ok(())
+    }
+
+    /// Removes packages (their configuration stays).
+    pub async fn remove(self, names: &[String]) -> Result<(), PackageError> {
+        match self {
+            Manager::Apt => apt::remove(names).await?,
+            Manager::Dnf => dnf::remove(names).await?,
+        }
+        Ok(())
+    }
+
     /// The newest offered version of `name` whose upstream part is `release` (`v1.31.0` →
     /// `1.31.0-1.1` in Kubernetes' Debian repositories, `1.31.0-150500.1.1` in its RPM ones).
     pub async fn newest_of_release(self, name: &str, release: &str) -> Result<(Option<String>, Vec<String>), PackageError> {

@@ -21,6 +21,21 @@ pub async fn reboot() -> Result<(), CommandError> {
 
 /// Makes systemd read changed unit files and start `unit` at boot.
 pub async fn daemon_reload_enable(unit: &str) -> Result<(), CommandError> {
-    run(&["systemctl", "daemon-reload"], &[], Duration::from_secs(60)).await?;
+    daemon_reload().await?;
     run(&["systemctl", "enable", unit], &[], Duration::from_secs(60)).await.map(|_| ())
+}
+
+/// Stops a unit and keeps it from starting at boot.
+pub async fn disable_now(unit: &str) -> Result<(), CommandError> {
+    run(&["systemctl", "disable", "--now", unit], &[], Duration::from_secs(SYSTEMCTL_TIMEOUT_SECS)).await.map(|_| ())
+}
+
+pub async fn daemon_reload() -> Result<(), CommandError> {
+    run(&["systemctl", "daemon-reload"], &[], Duration::from_secs(60)).await.map(|_| ())
+}
+
+/// Keeps a unit from starting at boot, leaving it running (for the agent itself, which then
+/// exits on its own).
+pub async fn disable(unit: &str) -> Result<(), CommandError> {
+    run(&["systemctl", "disable", unit], &[], Duration::from_secs(60)).await.map(|_| ())
 }

@@ -95,17 +95,37 @@ pub async fn put_machine(
     Ok(Json(app.registry.apply_machine(m).await?.stamped()))
 }
 
-pub async fn delete_machine(State(app): State<Arc<App>>, peer: PeerExt, Path(name): Path<String>) -> ApiResult<StatusCode> {
-    require_admin(&peer)?;
-    app.registry.delete_machine(&path_name(&name)?).await?;
-    Ok(StatusCode::NO_CONTENT)
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeleteQuery {
+    /// Delete at once, without the agent's reset (a machine that is gone for good).
+    #[serde(default)]
+    force: bool,
 }
 
+/// 204 when the machine is gone; 202 with the machine when its agent resets it first.
+pub async fn delete_machine(
+    State(app): State<Arc<App>>,
+    peer: PeerExt,
+    Path(name): Path<String>,
+    Query(q): Query<DeleteQuery>,
+) -> ApiResult<Response> {
+    require_admin(&peer)?;
+    match app.registry.delete_machine(&path_name(&name)?, q.force).await? {
+        None => Ok(StatusCode::NO_CONTENT.into_response()),
+        Some(pending) => Ok((StatusCode::ACCEPTED, Json(pending.stamped())).into_response()),
+    }
+}
+
+/// A machine's events; they outlive the machine, so a reset stays visible after it is gone.
 pub async fn machine_events(State(app): State<Arc<App>>, peer: PeerExt, Path(name): Path<String>) -> ApiResult<Json<Vec<Event>>> {
     require_admin(&peer)?;
     let name = path_name(&name)?;
-    app.registry.machine(name.as_str()).await?;
-    Ok(Json(app.registry.events(name.as_str()).await?))
+    let events = app.registry.events(name.as_str()).await?;
+    if events.is_empty() {
+        app.registry.machine(name.as_str()).await?;
+    }
+    Ok(Json(events))
 }
 
 // ---- pools

@@ -7,7 +7,7 @@ use std::time::Duration;
 use axum::Json;
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
-use keelson_api::wire::{AgentEvents, AgentSpec, AgentStatus, EnrollRequest, EnrollResponse};
+use keelson_api::wire::{AgentEvents, AgentSpec, AgentStatus, EnrollRequest, EnrollResponse, ResetDone};
 use serde::Deserialize;
 
 use super::{App, JsonBody, PeerExt, require_machine};
@@ -41,7 +41,8 @@ pub async fn spec(State(app): State<Arc<App>>, peer: PeerExt, Query(q): Query<Sp
     loop {
         let machine = app.registry.machine(name.as_str()).await?.object;
         if machine.metadata.generation > q.after {
-            return Ok(Json(AgentSpec { name, generation: machine.metadata.generation, changed: true, spec: machine.spec }));
+            let deleting = machine.metadata.deletion_timestamp.is_some();
+            return Ok(Json(AgentSpec { name, generation: machine.metadata.generation, changed: true, spec: machine.spec, deleting }));
         }
         let timed_out = tokio::select! {
             changed = generations.changed() => changed.is_err(),
@@ -49,9 +50,21 @@ pub async fn spec(State(app): State<Arc<App>>, peer: PeerExt, Query(q): Query<Sp
             _ = app.shutdown.cancelled() => true,
         };
         if timed_out {
-            return Ok(Json(AgentSpec { name, generation: machine.metadata.generation, changed: false, spec: machine.spec }));
+            let deleting = machine.metadata.deletion_timestamp.is_some();
+            return Ok(Json(AgentSpec { name, generation: machine.metadata.generation, changed: false, spec: machine.spec, deleting }));
         }
     }
+}
+
+/// The agent has reset its machine after a deletion: the controller forgets the machine and
+/// revokes its identity (its events stay).
+pub async fn reset_done(State(app): State<Arc<App>>, peer: PeerExt, JsonBody(req): JsonBody<ResetDone>) -> ApiResult<StatusCode> {
+    let (name, _) = require_machine(&app, &peer).await?;
+    if req.summary.len() > 8192 {
+        return Err(ApiError::invalid("summary", "must be at most 8 KiB"));
+    }
+    app.registry.complete_reset(&name, &req.summary).await?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 pub async fn status(State(app): State<Arc<App>>, peer: PeerExt, JsonBody(report): JsonBody<AgentStatus>) -> ApiResult<StatusCode> {

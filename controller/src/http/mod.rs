@@ -58,6 +58,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/agent/status", put(agent::status))
         .route("/v1/agent/events", post(agent::events))
         .route("/v1/agent/certificate", post(agent::rotate_certificate))
+        .route("/v1/agent/reset", post(agent::reset_done))
         .route("/v1/agent/disruptions", post(agent::acquire_disruption))
         .route("/v1/agent/disruptions/{id}", put(agent::renew_disruption).delete(agent::release_disruption))
         .route("/v1/leases", get(admin::list_leases))
