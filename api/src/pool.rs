@@ -28,6 +28,10 @@ pub struct PoolSpec {
     pub rollout: RolloutSpec,
     #[serde(default)]
     pub deletion: DeletionSpec,
+    /// How many machines the pool keeps: members beyond it are deleted (reset by their
+    /// agents), picked by `deletion.order`. Unset: every matching machine stays.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<u32>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

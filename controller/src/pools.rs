@@ -5,8 +5,9 @@ use std::collections::BTreeMap;
 
 use keelson_api::machine::Machine;
 use keelson_api::meta::{self, ConditionStatus, Name, annotation, condition, find_condition, set_condition};
-use keelson_api::pool::{MachinePool, PoolRevision, PoolStatus};
+use keelson_api::pool::{DeletionOrder, MachinePool, PoolRevision, PoolStatus};
 use keelson_api::validate::validate_spec_change;
+use sha2::Digest;
 
 use crate::error::ApiError;
 use crate::registry::{
@@ -49,6 +50,33 @@ fn member_view(m: &Machine, pool: &MachinePool) -> Member {
         failed: (at_generation && is_true(condition::DEGRADED))
             .then(|| find_condition(&m.status.conditions, condition::DEGRADED).map(|c| c.message.clone()).unwrap_or_default()),
     }
+}
+
+/// The members to delete so that `replicas` stay: machines annotated
+/// `keelson.io/delete-machine` first, then by `order` (Random is a fixed shuffle by uid, so a
+/// pass never changes its mind). At most `budget` are being reset at once, counting those
+/// already under way (`deleting`).
+pub fn pick_for_deletion<'a>(
+    live: &[&'a Machine],
+    deleting: usize,
+    replicas: usize,
+    order: DeletionOrder,
+    budget: usize,
+) -> Vec<&'a Machine> {
+    let excess = live.len().saturating_sub(replicas);
+    let room = budget.saturating_sub(deleting);
+    let mut ranked: Vec<&Machine> = live.to_vec();
+    let shuffle = |m: &Machine| sha2::Sha256::digest(m.metadata.uid.as_deref().unwrap_or(m.metadata.name_str()).as_bytes()).to_vec();
+    ranked.sort_by(|a, b| {
+        let marked = |m: &Machine| !m.metadata.annotations.contains_key(annotation::DELETE_MACHINE);
+        let by_order = match order {
+            DeletionOrder::Oldest => a.metadata.creation_timestamp.cmp(&b.metadata.creation_timestamp),
+            DeletionOrder::Newest => b.metadata.creation_timestamp.cmp(&a.metadata.creation_timestamp),
+            DeletionOrder::Random => shuffle(a).cmp(&shuffle(b)),
+        };
+        marked(a).cmp(&marked(b)).then(by_order).then_with(|| a.metadata.name_str().cmp(b.metadata.name_str()))
+    });
+    ranked.into_iter().take(excess.min(room)).collect()
 }
 
 impl Registry {
@@ -220,6 +248,12 @@ impl Registry {
         let (pools, _) = self.list::<MachinePool>(POOLS).await?;
         let (machines, _) = self.list::<Machine>(MACHINES).await?;
         let mut members: BTreeMap<&str, Vec<&Machine>> = BTreeMap::new();
+        let mut deleting: BTreeMap<&str, usize> = BTreeMap::new();
+        for m in machines.iter().filter(|m| m.object.metadata.deletion_timestamp.is_some()) {
+            if let Some(p) = owning_pool(&pools, &m.object.metadata.labels) {
+                *deleting.entry(p.metadata.name_str()).or_default() += 1;
+            }
+        }
         // A machine being deleted is no longer the rollout's: its agent is resetting it.
         for m in machines.iter().filter(|m| m.object.metadata.deletion_timestamp.is_none()) {
             match owning_pool(&pools, &m.object.metadata.labels) {
@@ -273,6 +307,20 @@ impl Registry {
                     || machine.status.pool_revision != Some(pool.status.revision);
                 if decision.update.iter().any(|u| u == n) || (at_template && lagging) {
                     self.give_revision(n, pool).await?;
+                }
+            }
+            if let Some(replicas) = pool.spec.replicas {
+                let live = members.get(name).cloned().unwrap_or_default();
+                let budget = pool.spec.rollout.max_unavailable.resolve(live.len());
+                let order = pool.spec.deletion.order;
+                let picked = pick_for_deletion(&live, deleting.get(name).copied().unwrap_or(0), replicas as usize, order, budget);
+                for n in picked.iter().filter_map(|m| m.metadata.name.clone()) {
+                    let why = format!("pool {name} keeps {replicas} machines (deletion order {order:?})");
+                    self.record_event(n.as_str(), "Normal", "ScaleIn", &why, "controller").await?;
+                    match self.delete_machine(&n, false).await {
+                        Ok(_) | Err(ApiError::NotFound(_)) => {}
+                        Err(e) => return Err(e),
+                    }
                 }
             }
             if decision.state != state || stored.is_none() {
@@ -391,5 +439,41 @@ impl Registry {
             Ok(_) | Err(StoreError::Conflict { .. }) => Ok(()),
             Err(e) => Err(e.into()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn machine(name: &str, created_secs: i64, marked: bool) -> Machine {
+        let mut m = Machine::new(name.parse().unwrap_or_else(|e| panic!("{e:?}")));
+        m.metadata.creation_timestamp = Some(time::OffsetDateTime::UNIX_EPOCH + time::Duration::seconds(created_secs));
+        m.metadata.uid = Some(format!("uid-{name}"));
+        if marked {
+            m.metadata.annotations.insert(annotation::DELETE_MACHINE.into(), "true".into());
+        }
+        m
+    }
+
+    fn names(ms: Vec<&Machine>) -> Vec<&str> {
+        ms.into_iter().map(|m| m.metadata.name_str()).collect()
+    }
+
+    #[test]
+    fn scale_in_takes_marked_machines_first_then_by_order_within_the_budget() {
+        let ms = [machine("a", 1, false), machine("b", 2, false), machine("c", 3, true), machine("d", 4, false)];
+        let live: Vec<&Machine> = ms.iter().collect();
+        assert_eq!(names(pick_for_deletion(&live, 0, 2, DeletionOrder::Oldest, 5)), vec!["c", "a"]);
+        assert_eq!(names(pick_for_deletion(&live, 0, 2, DeletionOrder::Newest, 5)), vec!["c", "d"]);
+        // One slot of the budget, one machine already being reset: nothing more now.
+        assert!(pick_for_deletion(&live, 1, 2, DeletionOrder::Newest, 1).is_empty());
+        assert_eq!(names(pick_for_deletion(&live, 0, 2, DeletionOrder::Newest, 1)), vec!["c"]);
+        assert!(pick_for_deletion(&live, 0, 4, DeletionOrder::Oldest, 5).is_empty());
+        // Random is a fixed order: the same answer every pass.
+        let once = names(pick_for_deletion(&live, 0, 1, DeletionOrder::Random, 5));
+        assert_eq!(once.len(), 3);
+        assert_eq!(once[0], "c");
+        assert_eq!(names(pick_for_deletion(&live, 0, 1, DeletionOrder::Random, 5)), once);
     }
 }

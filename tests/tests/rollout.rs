@@ -39,6 +39,11 @@ async fn agent(client: ApiClient, work: Duration) -> anyhow::Result<()> {
             tokio::time::sleep(Duration::from_millis(200)).await;
             continue;
         }
+        if a.body["deleting"] == true {
+            // As the real agent does after its reset.
+            client.post("/v1/agent/reset", &json!({"summary": "reset: simulated"})).await?;
+            return Ok(());
+        }
         let generation = a.body["generation"].as_u64().unwrap_or(0);
         if generation != after || report.is_none() {
             after = generation;
@@ -315,6 +320,63 @@ async fn a_pool_starts_only_when_the_pools_it_follows_have_rolled_out() -> R {
     let db_given = times["db-1"].iter().find(|(r, _)| *r == 2).map(|(_, t)| *t);
     let web_given = times["web-1"].iter().find(|(r, _)| *r == 2).map(|(_, t)| *t);
     assert!(db_given.zip(web_given).is_some_and(|(d, w)| w - d >= time::Duration::seconds(3)), "{times:?}");
+    agents.abort_all();
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn shrinking_a_pool_resets_marked_machines_first_then_by_order_one_at_a_time() -> R {
+    let dir = tmp();
+    let c = Controller::start(dir.path(), &["--reconcile-interval-seconds", "1"])?;
+    let admin = c.admin()?;
+    let web = |replicas: Option<u32>| {
+        let mut p = pool(json!([file("/etc/motd", "one\n")]), json!({"maxUnavailable": 1}));
+        p["spec"]["deletion"] = json!({"order": "Newest"});
+        if let Some(r) = replicas {
+            p["spec"]["replicas"] = json!(r);
+        }
+        p
+    };
+    admin.put("/v1/pools/web", &web(None)).await?;
+    let token = c.token(&["--usages", "4", "--labels", "pool=web"])?;
+    let states = tmp();
+    let mut agents = tokio::task::JoinSet::new();
+    for name in ["m1", "m2", "m3", "m4"] {
+        let client = c.enroll(name, &token, &states.path().join(name))?;
+        agents.spawn(agent(client, Duration::from_millis(100)));
+        // Distinct creation times for the Newest order.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    wait_for(&admin, "four machines rolled out", 30, |p| rolled_out(p) && p["status"]["machines"] == 4).await?;
+    // m1 (the oldest) is marked: it goes first; then the newest, m4.
+    let mut m1 = admin.get("/v1/machines/m1").await?.body;
+    m1["metadata"]["annotations"] = json!({"keelson.io/delete-machine": "true"});
+    m1["metadata"].as_object_mut().map(|o| o.remove("resourceVersion"));
+    assert_eq!(admin.put("/v1/machines/m1", &m1).await?.status, 200);
+    admin.put("/v1/pools/web", &web(Some(2))).await?;
+    wait_for(&admin, "two machines left", 30, |p| p["status"]["machines"] == 2).await?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while admin.get("/v1/machines/m4").await?.status != 404 || admin.get("/v1/machines/m1").await?.status != 404 {
+        anyhow::ensure!(Instant::now() < deadline, "m1 and m4 were not both removed");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for kept in ["m2", "m3"] {
+        assert_eq!(admin.get(&format!("/v1/machines/{kept}")).await?.status, 200, "{kept}");
+    }
+    // One at a time (maxUnavailable 1): m4 was asked only after m1 had gone.
+    let events = |name: &'static str| {
+        let admin = admin.clone();
+        async move { anyhow::Ok(admin.get(&format!("/v1/machines/{name}/events")).await?.body) }
+    };
+    let at = |events: &serde_json::Value, reason: &str| {
+        events.as_array().into_iter().flatten().find(|e| e["reason"] == reason).and_then(|e| e["time"].as_str().map(str::to_owned))
+    };
+    let (e1, e4) = (events("m1").await?, events("m4").await?);
+    let m1_gone = at(&e1, "Deleted").ok_or_else(|| anyhow::anyhow!("m1: {e1}"))?;
+    let m4_asked = at(&e4, "ScaleIn").ok_or_else(|| anyhow::anyhow!("m4: {e4}"))?;
+    let parse = |t: &str| time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339);
+    assert!(parse(&m4_asked)? >= parse(&m1_gone)?, "m4 asked at {m4_asked}, m1 gone at {m1_gone}");
+    assert!(at(&e4, "Reset").is_some(), "{e4}");
     agents.abort_all();
     Ok(())
 }
