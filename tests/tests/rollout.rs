@@ -380,3 +380,29 @@ async fn shrinking_a_pool_resets_marked_machines_first_then_by_order_one_at_a_ti
     agents.abort_all();
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_halted_rollout_with_auto_undo_rolls_itself_back_once() -> R {
+    let dir = tmp();
+    let c = Controller::start(dir.path(), &["--reconcile-interval-seconds", "1"])?;
+    let admin = c.admin()?;
+    let rollout = json!({"maxUnavailable": 1, "autoUndo": true});
+    admin.put("/v1/pools/web", &pool(json!([file("/etc/motd", "good\n")]), rollout.clone())).await?;
+    let token = c.token(&["--usages", "2", "--labels", "pool=web"])?;
+    let states = tmp();
+    let mut agents = tokio::task::JoinSet::new();
+    for name in ["m1", "m2"] {
+        agents.spawn(agent(c.enroll(name, &token, &states.path().join(name))?, Duration::from_millis(100)));
+    }
+    wait_for(&admin, "revision 1 rolled out", 30, |p| rolled_out(p) && p["status"]["machines"] == 2).await?;
+    admin.put("/v1/pools/web", &pool(json!([file("/etc/fail", "x\n")]), rollout)).await?;
+    let back = wait_for(&admin, "the automatic undo rolled out", 30, |p| p["status"]["revision"] == 3 && rolled_out(p)).await?;
+    assert_eq!(back["spec"]["template"]["spec"]["files"][0]["path"], "/etc/motd");
+    let history: serde_json::Value = serde_json::from_slice(&c.cli(&["rollout", "history", "pool/web", "-o", "json"])?.stdout)?;
+    let cause = history[2]["cause"].as_str().unwrap_or_default();
+    assert!(cause.starts_with("auto undo to revision 1: 1 of revision 2 failed"), "{cause}");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(admin.get("/v1/pools/web").await?.body["status"]["revision"], 3, "undone once, and left there");
+    agents.abort_all();
+    Ok(())
+}
