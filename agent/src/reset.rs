@@ -38,6 +38,17 @@ impl Reset {
         }
     }
 
+    /// Unholds and removes a package keelson installed.
+    async fn uninstall(&mut self, pm: Option<Manager>, name: String) {
+        let Some(pm) = pm else {
+            self.failed.push(format!("removing {name}: no package manager found"));
+            return;
+        };
+        let names = [name];
+        self.record(format!("unheld {}", names[0]), pm.unhold(&names).await);
+        self.record(format!("removed package {}", names[0]), pm.remove(&names).await);
+    }
+
     pub fn summary(&self) -> String {
         let mut out = format!("reset: {}", if self.done.is_empty() { "nothing to undo".to_owned() } else { self.done.join("; ") });
         if !self.failed.is_empty() {
@@ -53,22 +64,11 @@ pub async fn reset_machine(state_dir: &Path) -> Reset {
     let ledger = Ledger::load(state_dir).unwrap_or_default();
     let spec = ledger.spec.clone().unwrap_or_default();
     let pm = Manager::detect(Path::new("/"));
-    let packages = |r: &mut Reset, what: &str, names: Vec<String>| {
-        if pm.is_none() {
-            r.failed.push(format!("{what} {}: no package manager found", names.join(" ")));
-        }
-        (pm, names)
-    };
 
     if let Some(k) = &spec.kubelet {
         r.record("stopped and disabled kubelet", systemd::disable_now("kubelet").await);
         match &k.source.package {
-            Some(p) => {
-                if let (Some(pm), names) = packages(&mut r, "removing", vec![p.to_string()]) {
-                    r.record(format!("unheld {p}"), pm.unhold(&names).await);
-                    r.record(format!("removed package {p}"), pm.remove(&names).await);
-                }
-            }
+            Some(p) => r.uninstall(pm, p.to_string()).await,
             None => {
                 r.remove(kubelet::BINARY);
                 r.remove(&files::previous_path(Path::new(kubelet::BINARY)).to_string_lossy());
@@ -87,12 +87,7 @@ pub async fn reset_machine(state_dir: &Path) -> Reset {
                 }
                 r.remove(containerd::UNIT);
             }
-            (None, Some(p)) => {
-                if let (Some(pm), names) = packages(&mut r, "removing", vec![p.to_string()]) {
-                    r.record(format!("unheld {p}"), pm.unhold(&names).await);
-                    r.record(format!("removed package {p}"), pm.remove(&names).await);
-                }
-            }
+            (None, Some(p)) => r.uninstall(pm, p.to_string()).await,
             (None, None) => {}
         }
         r.remove(&format!("/{CONTAINERD_CONFIG}"));
@@ -104,8 +99,9 @@ pub async fn reset_machine(state_dir: &Path) -> Reset {
         && !os.packages.is_empty()
     {
         let names: Vec<String> = os.packages.iter().map(|p| p.name.to_string()).collect();
-        if let (Some(pm), names) = packages(&mut r, "unholding", names) {
-            r.record(format!("unheld {} (left installed)", names.join(" ")), pm.unhold(&names).await);
+        match pm {
+            Some(pm) => r.record(format!("unheld {} (left installed)", names.join(" ")), pm.unhold(&names).await),
+            None => r.failed.push(format!("unholding {}: no package manager found", names.join(" "))),
         }
     }
     if let Some(pm) = pm {

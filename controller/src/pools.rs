@@ -327,11 +327,9 @@ impl Registry {
                 self.store.txn(vec![Op::Put { key: state_key, value: encode(&decision.state), precondition: Precondition::None }]).await?;
             }
             self.record_pool_status(pool, p.revision, &decision).await?;
-            let cause =
-                self.get::<PoolRevision>(&revision_key(name, pool.status.revision)).await?.map(|r| r.object.cause).unwrap_or_default();
             if let Some(why) = &decision.halted
                 && pool.spec.rollout.auto_undo
-                && !cause.starts_with(AUTO_UNDO)
+                && !self.made_by_auto_undo(name, pool.status.revision).await?
             {
                 match self.undo_locked(name, None, Some(why)).await {
                     Ok(undone) => {
@@ -342,6 +340,11 @@ impl Registry {
             }
         }
         Ok(())
+    }
+
+    async fn made_by_auto_undo(&self, pool: &str, revision: u64) -> Result<bool, ApiError> {
+        let record = self.get::<PoolRevision>(&revision_key(pool, revision)).await?;
+        Ok(record.is_some_and(|r| r.object.cause.starts_with(AUTO_UNDO)))
     }
 
     /// Gives a machine its pool's current template (a new generation when the spec changes).

@@ -77,36 +77,29 @@ pub async fn install(pins: &[Pin]) -> Result<(), AptError> {
     Ok(())
 }
 
-pub async fn hold(names: &[String]) -> Result<(), AptError> {
+/// Runs `command` with the package names appended; nothing to do for none.
+async fn for_packages(command: &[&str], names: &[String], timeout_secs: u64) -> Result<(), AptError> {
     if names.is_empty() {
         return Ok(());
     }
-    let mut argv = vec!["apt-mark", "hold"];
+    let mut argv = command.to_vec();
     argv.extend(names.iter().map(String::as_str));
-    run(&argv, ENV, Duration::from_secs(QUERY_TIMEOUT_SECS)).await?;
+    run(&argv, ENV, Duration::from_secs(timeout_secs)).await?;
     Ok(())
+}
+
+pub async fn hold(names: &[String]) -> Result<(), AptError> {
+    for_packages(&["apt-mark", "hold"], names, QUERY_TIMEOUT_SECS).await
 }
 
 /// Lets other tools move these packages again.
 pub async fn unhold(names: &[String]) -> Result<(), AptError> {
-    if names.is_empty() {
-        return Ok(());
-    }
-    let mut argv = vec!["apt-mark", "unhold"];
-    argv.extend(names.iter().map(String::as_str));
-    run(&argv, ENV, Duration::from_secs(QUERY_TIMEOUT_SECS)).await?;
-    Ok(())
+    for_packages(&["apt-mark", "unhold"], names, QUERY_TIMEOUT_SECS).await
 }
 
 /// Removes packages, keeping their configuration files (not a purge).
 pub async fn remove(names: &[String]) -> Result<(), AptError> {
-    if names.is_empty() {
-        return Ok(());
-    }
-    let mut argv = vec!["apt-get", "remove", "-y", "-q", "--allow-change-held-packages", "-o", LOCK_WAIT];
-    argv.extend(names.iter().map(String::as_str));
-    run(&argv, ENV, Duration::from_secs(INSTALL_TIMEOUT_SECS)).await?;
-    Ok(())
+    for_packages(&["apt-get", "remove", "-y", "-q", "--allow-change-held-packages", "-o", LOCK_WAIT], names, INSTALL_TIMEOUT_SECS).await
 }
 
 #[cfg(test)]

@@ -143,11 +143,9 @@ pub async fn ensure_available(pins: &[Pin]) -> Result<(), DnfError> {
 /// Installs exact versions, upgrading or downgrading; a versionlock on a package is lifted
 /// for its own change and set again by `hold`.
 pub async fn install(pins: &[Pin]) -> Result<(), DnfError> {
-    let names: Vec<&str> = pins.iter().map(|p| p.name.as_str()).collect();
-    let mut unlock = vec!["dnf", "versionlock", "delete", "-q"];
-    unlock.extend(&names);
+    let names: Vec<String> = pins.iter().map(|p| p.name.clone()).collect();
     // Not locked is fine.
-    let _ = run(&unlock, &[], Duration::from_secs(TIMEOUT_SECS)).await;
+    let _ = unhold(&names).await;
     let specs: Vec<String> = pins.iter().map(nevr).collect();
     let mut argv = vec!["dnf", "install", "-y", "-q", "--allowerasing", "--setopt=install_weak_deps=False"];
     argv.extend(specs.iter().map(String::as_str));
@@ -155,34 +153,27 @@ pub async fn install(pins: &[Pin]) -> Result<(), DnfError> {
     Ok(())
 }
 
-pub async fn hold(names: &[String]) -> Result<(), DnfError> {
+/// Runs `command` with the package names appended; nothing to do for none.
+async fn for_packages(command: &[&str], names: &[String]) -> Result<(), DnfError> {
     if names.is_empty() {
         return Ok(());
     }
-    let mut argv = vec!["dnf", "versionlock", "add", "-q"];
+    let mut argv = command.to_vec();
     argv.extend(names.iter().map(String::as_str));
     run(&argv, &[], Duration::from_secs(TIMEOUT_SECS)).await?;
     Ok(())
+}
+
+pub async fn hold(names: &[String]) -> Result<(), DnfError> {
+    for_packages(&["dnf", "versionlock", "add", "-q"], names).await
 }
 
 pub async fn unhold(names: &[String]) -> Result<(), DnfError> {
-    if names.is_empty() {
-        return Ok(());
-    }
-    let mut argv = vec!["dnf", "versionlock", "delete", "-q"];
-    argv.extend(names.iter().map(String::as_str));
-    run(&argv, &[], Duration::from_secs(TIMEOUT_SECS)).await?;
-    Ok(())
+    for_packages(&["dnf", "versionlock", "delete", "-q"], names).await
 }
 
 pub async fn remove(names: &[String]) -> Result<(), DnfError> {
-    if names.is_empty() {
-        return Ok(());
-    }
-    let mut argv = vec!["dnf", "remove", "-y", "-q"];
-    argv.extend(names.iter().map(String::as_str));
-    run(&argv, &[], Duration::from_secs(TIMEOUT_SECS)).await?;
-    Ok(())
+    for_packages(&["dnf", "remove", "-y", "-q"], names).await
 }
 
 #[cfg(test)]
