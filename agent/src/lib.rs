@@ -8,6 +8,7 @@ pub mod config;
 pub mod daemon;
 pub mod drivers;
 pub mod enroll;
+pub mod etcd;
 pub mod facts;
 pub mod journal;
 pub mod ledger;

@@ -2,6 +2,8 @@
 //! temporary directories on loopback and gives tests and benchmarks HTTP clients that hold
 //! each kind of identity (admin, machine, none, a foreign CA).
 
+pub mod etcd;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

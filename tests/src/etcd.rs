@@ -1,0 +1,80 @@
+//! Real etcd members on loopback for the membership tests: the binaries `tests/fetch-etcd`
+//! puts in `.cache/etcd/<version>/`, each member in its own temporary data directory with
+//! ports of its own. Dropping a member kills its process.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+/// The etcd binary of `version` fetched by `tests/fetch-etcd`.
+pub fn etcd_binary(version: &str) -> PathBuf {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/etcd").join(version).join("etcd");
+    assert!(path.exists(), "{} is missing: run tests/fetch-etcd first (the README's test command does)", path.display());
+    path
+}
+
+fn free_port() -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap_or_else(|e| panic!("binding a free port: {e}"));
+    l.local_addr().map(|a| a.port()).unwrap_or_else(|e| panic!("local_addr: {e}"))
+}
+
+#[derive(Debug)]
+pub struct EtcdMember {
+    pub name: String,
+    pub data_dir: PathBuf,
+    pub client_url: String,
+    pub peer_url: String,
+    pub version: String,
+    child: Option<Child>,
+}
+
+impl EtcdMember {
+    /// A member that is not started yet, with a data directory under `root`.
+    pub fn new(root: &Path, name: &str, version: &str) -> Self {
+        EtcdMember {
+            name: name.to_string(),
+            data_dir: root.join(name),
+            client_url: format!("http://127.0.0.1:{}", free_port()),
+            peer_url: format!("http://127.0.0.1:{}", free_port()),
+            version: version.to_string(),
+            child: None,
+        }
+    }
+
+    pub fn initial_cluster_entry(&self) -> String {
+        format!("{}={}", self.name, self.peer_url)
+    }
+
+    /// Starts etcd with `state` `new` or `existing` and `initial_cluster`; an existing data
+    /// directory makes etcd ignore both, as on a restart.
+    pub fn start(&mut self, state: &str, initial_cluster: &str) {
+        let log = std::fs::File::create(self.data_dir.with_extension(format!("{}.log", self.version)))
+            .unwrap_or_else(|e| panic!("etcd log: {e}"));
+        let child = Command::new(etcd_binary(&self.version))
+            .args(["--name", &self.name, "--data-dir"])
+            .arg(&self.data_dir)
+            .args(["--listen-client-urls", &self.client_url, "--advertise-client-urls", &self.client_url])
+            .args(["--listen-peer-urls", &self.peer_url, "--initial-advertise-peer-urls", &self.peer_url])
+            .args(["--initial-cluster", initial_cluster, "--initial-cluster-state", state])
+            .args(["--initial-cluster-token", "keelson-test", "--heartbeat-interval", "50", "--election-timeout", "500"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting etcd {}: {e}", self.version));
+        self.child = Some(child);
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for EtcdMember {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

