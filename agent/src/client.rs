@@ -186,6 +186,14 @@ impl Controller {
         .map(|_| ())
     }
 
+    /// This machine's etcd member certificate, for the cluster its spec names.
+    pub async fn etcd_certificate(&self, csr: &str) -> Result<keelson_api::wire::EtcdCertificate, ClientError> {
+        let body = serde_json::json!({"csr": csr});
+        self.call(Method::POST, "/v1/agent/etcd/certificate", Some(body), Duration::from_secs(REQUEST_TIMEOUT_SECS))
+            .await?
+            .ok_or_else(|| ClientError::Protocol("empty answer".into()))
+    }
+
     pub async fn rotate_certificate(&self, csr: &str) -> Result<EnrollResponse, ClientError> {
         let body = serde_json::json!({"csr": csr});
         self.call(Method::POST, "/v1/agent/certificate", Some(body), Duration::from_secs(REQUEST_TIMEOUT_SECS))

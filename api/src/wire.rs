@@ -29,6 +29,28 @@ pub struct EnrollResponse {
     pub ca_bundle: String,
 }
 
+/// `POST /v1/agent/etcd/certificate` (a member's CSR; the controller names it) and
+/// `POST /v1/etcd/{cluster}/client-certificates` (an operator's CSR and the client's name).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct EtcdCertificateRequest {
+    pub csr: String,
+    /// Client certificates only: the common name, e.g. `kube-apiserver`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub common_name: Option<String>,
+}
+
+/// A certificate signed by an etcd cluster's CA, and that CA.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct EtcdCertificate {
+    pub cluster: Name,
+    pub certificate: String,
+    pub ca: String,
+    #[serde(with = "time::serde::rfc3339")]
+    pub not_after: time::OffsetDateTime,
+}
+
 /// `GET /v1/agent/spec?after=G`: the machine's spec at its current generation.
 /// `changed` is false when the long-poll timed out with nothing newer than `after`.
 #[derive(Debug, Clone, Serialize, Deserialize)]

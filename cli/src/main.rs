@@ -71,6 +71,31 @@ enum Command {
         #[command(subcommand)]
         command: RolloutCommand,
     },
+    /// etcd clusters that keelson runs.
+    Etcd {
+        #[command(subcommand)]
+        command: EtcdCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum EtcdCommand {
+    /// A client certificate for an etcd cluster (for kube-apiserver or etcdctl): the key is
+    /// made here and never leaves this machine. Writes ca.crt, client.crt and client.key
+    /// (0600) into --out.
+    ClientCert {
+        /// The pool whose template declares the cluster.
+        #[arg(long, required_unless_present = "cluster", conflicts_with = "cluster")]
+        pool: Option<String>,
+        /// The cluster by name (`spec.etcd.cluster`).
+        #[arg(long)]
+        cluster: Option<String>,
+        #[arg(long)]
+        out: PathBuf,
+        /// The certificate's common name.
+        #[arg(long, default_value = "kube-apiserver")]
+        name: String,
+    },
 }
 
 #[derive(Subcommand)]
@@ -342,6 +367,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
         }
         Command::Rollout { ref command } => rollout(command, connect).await?,
+        Command::Etcd { command: EtcdCommand::ClientCert { ref pool, ref cluster, ref out, ref name } } => {
+            etcd_client_cert(pool.as_deref(), cluster.as_deref(), out, name, connect).await?
+        }
         Command::Events { ref target, output } => {
             let name = target.strip_prefix("machine/").ok_or_else(|| anyhow!("{target:?}: expected machine/NAME"))?;
             parse_name("NAME", name)?;
@@ -372,6 +400,55 @@ where
         Format::Json | Format::Yaml => output::structured(&list, format),
         Format::Table | Format::Wide => Ok(table(&list.items, format == Format::Wide)),
     }
+}
+
+async fn etcd_client_cert(
+    pool: Option<&str>,
+    cluster: Option<&str>,
+    out: &std::path::Path,
+    name: &str,
+    connect: impl Fn() -> anyhow::Result<Client>,
+) -> anyhow::Result<()> {
+    let files = ["ca.crt", "client.crt", "client.key"].map(|f| out.join(f));
+    if let Some(existing) = files.iter().find(|f| f.exists()) {
+        bail!("{} already exists: remove it or choose another --out", existing.display());
+    }
+    let client = connect()?;
+    let cluster = match (pool, cluster) {
+        (_, Some(c)) => parse_name("--cluster", c)?.to_string(),
+        (Some(p), None) => {
+            parse_name("--pool", p)?;
+            let pool: MachinePool = client.call(Method::GET, &format!("/v1/pools/{p}"), None::<&()>).await?;
+            match pool.spec.template.spec.etcd {
+                Some(e) => e.cluster.to_string(),
+                None => bail!("pool {p} has no spec.template.spec.etcd: its machines are not etcd members"),
+            }
+        }
+        (None, None) => bail!("--pool or --cluster is required"),
+    };
+    let key = rcgen::KeyPair::generate()?;
+    let csr = rcgen::CertificateParams::new(Vec::<String>::new())?.serialize_request(&key)?.pem()?;
+    let request = keelson_api::wire::EtcdCertificateRequest { csr, common_name: Some(name.to_owned()) };
+    let cert: keelson_api::wire::EtcdCertificate =
+        client.call(Method::POST, &format!("/v1/etcd/{cluster}/client-certificates"), Some(&request)).await?;
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    write_file(&files[2], key.serialize_pem().as_bytes(), 0o600)?;
+    write_file(&files[1], cert.certificate.as_bytes(), 0o644)?;
+    write_file(&files[0], cert.ca.as_bytes(), 0o644)?;
+    println!("etcd cluster {cluster}: client certificate {name} valid until {} in {}", cert.not_after.date(), out.display());
+    Ok(())
+}
+
+fn write_file(path: &std::path::Path, contents: &[u8], mode: u32) -> anyhow::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .open(path)
+        .with_context(|| format!("creating {}", path.display()))?;
+    f.write_all(contents).and_then(|()| f.sync_all()).with_context(|| format!("writing {}", path.display()))
 }
 
 fn main() -> ExitCode {

@@ -3,6 +3,7 @@
 //! spec and records its status, and watches for machines that fall silent.
 
 pub mod error;
+pub mod etcd_pki;
 pub mod http;
 pub mod leases;
 pub mod metrics;

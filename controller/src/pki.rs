@@ -68,6 +68,11 @@ pub struct Issued {
 impl Authority {
     /// Loads the CA from `dir`, creating it on first start. Returns whether it was created.
     pub fn load_or_create(dir: &Path) -> Result<(Self, bool), PkiError> {
+        Self::load_or_create_named(dir, "keelson CA")
+    }
+
+    /// The same for a CA with another common name (an etcd cluster's).
+    pub fn load_or_create_named(dir: &Path, common_name: &str) -> Result<(Self, bool), PkiError> {
         let cert_path = dir.join("ca.crt");
         let key_path = dir.join("ca.key");
         if cert_path.exists() {
@@ -79,7 +84,7 @@ impl Authority {
         }
         let key = KeyPair::generate()?;
         let mut params = CertificateParams::default();
-        params.distinguished_name = dn("keelson CA", None);
+        params.distinguished_name = dn(common_name, None);
         params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
         params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
         let now = OffsetDateTime::now_utc();
@@ -124,7 +129,7 @@ impl Authority {
         self.sign(client_params(name.as_str(), ORG_MACHINES), &csr.public_key, MACHINE_CERT_VALIDITY_DAYS)
     }
 
-    fn sign(&self, mut params: CertificateParams, key: &impl rcgen::PublicKeyData, days: i64) -> Result<Issued, PkiError> {
+    pub(crate) fn sign(&self, mut params: CertificateParams, key: &impl rcgen::PublicKeyData, days: i64) -> Result<Issued, PkiError> {
         let serial: [u8; 16] = rand::random();
         params.serial_number = Some(SerialNumber::from_slice(&serial));
         let now = OffsetDateTime::now_utc();
@@ -144,7 +149,7 @@ pub fn serial_hex(bytes: &[u8]) -> String {
     hex::encode(&bytes[first..])
 }
 
-fn dn(cn: &str, org: Option<&str>) -> DistinguishedName {
+pub(crate) fn dn(cn: &str, org: Option<&str>) -> DistinguishedName {
     let mut dn = DistinguishedName::new();
     dn.push(DnType::CommonName, cn);
     if let Some(o) = org {

@@ -103,6 +103,7 @@ pub async fn run(opts: ServeOptions, cancel: CancellationToken) -> anyhow::Resul
         waiters: waiters.clone(),
         metrics: Metrics::new(),
         config: opts.api.clone(),
+        etcd_pki: crate::etcd_pki::EtcdAuthorities::new(&opts.data_dir),
         shutdown: cancel.clone(),
     });
 

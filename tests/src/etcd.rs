@@ -25,6 +25,9 @@ pub struct EtcdMember {
     pub client_url: String,
     pub peer_url: String,
     pub version: String,
+    /// CA, certificate and key files when the member serves TLS (peer and client, with
+    /// client certificates required).
+    pub tls: Option<[PathBuf; 3]>,
     child: Option<Child>,
 }
 
@@ -37,8 +40,18 @@ impl EtcdMember {
             client_url: format!("http://127.0.0.1:{}", free_port()),
             peer_url: format!("http://127.0.0.1:{}", free_port()),
             version: version.to_string(),
+            tls: None,
             child: None,
         }
+    }
+
+    /// The same member serving TLS with these files: https URLs, client certificates
+    /// required on both listeners.
+    pub fn with_tls(mut self, ca: &Path, cert: &Path, key: &Path) -> Self {
+        self.client_url = self.client_url.replace("http://", "https://");
+        self.peer_url = self.peer_url.replace("http://", "https://");
+        self.tls = Some([ca.to_owned(), cert.to_owned(), key.to_owned()]);
+        self
     }
 
     pub fn initial_cluster_entry(&self) -> String {
@@ -50,7 +63,19 @@ impl EtcdMember {
     pub fn start(&mut self, state: &str, initial_cluster: &str) {
         let log = std::fs::File::create(self.data_dir.with_extension(format!("{}.log", self.version)))
             .unwrap_or_else(|e| panic!("etcd log: {e}"));
-        let child = Command::new(etcd_binary(&self.version))
+        let mut command = Command::new(etcd_binary(&self.version));
+        if let Some([ca, cert, key]) = &self.tls {
+            command.arg("--client-cert-auth").arg("--trusted-ca-file").arg(ca).arg("--cert-file").arg(cert).arg("--key-file").arg(key);
+            command
+                .arg("--peer-client-cert-auth")
+                .arg("--peer-trusted-ca-file")
+                .arg(ca)
+                .arg("--peer-cert-file")
+                .arg(cert)
+                .arg("--peer-key-file")
+                .arg(key);
+        }
+        let child = command
             .args(["--name", &self.name, "--data-dir"])
             .arg(&self.data_dir)
             .args(["--listen-client-urls", &self.client_url, "--advertise-client-urls", &self.client_url])

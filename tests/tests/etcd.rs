@@ -175,3 +175,94 @@ async fn rolling_upgrade_3_4_to_3_5_loses_no_acknowledged_write() -> R {
     assert!(view.members.iter().all(|m| m.status.as_ref().is_ok_and(|s| s.version == "3.5.1")));
     Ok(())
 }
+
+/// TLS for etcd from the controller's per-cluster CA: two members' agents get member
+/// certificates (keys made on the machine), form a cluster that requires client certificates
+/// on both listeners, and an operator's `keelson etcd client-cert` works against it, while a
+/// keelson identity (another CA) is refused by etcd, and a machine that is no member of the
+/// cluster gets no member certificate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_and_clients_use_the_controllers_cluster_ca() -> R {
+    use keelson_agent::etcd::client::EtcdTls;
+    use keelson_agent::etcd::pki;
+    use keelson_tests::{Controller, machine_json};
+    use serde_json::json;
+
+    let dir = tempfile::tempdir()?;
+    let c = Controller::start(&dir.path().join("controller"), &[])?;
+    let admin = c.admin()?;
+    let token = c.token(&["--usages", "3"])?;
+    let etcd_spec = json!({"roles": ["etcd"], "etcd": {"cluster": "main", "version": "3.5.1", "source": {"package": "etcd-server"}}});
+    let mut tls = Vec::new();
+    for name in ["etcd-1", "etcd-2"] {
+        let state = dir.path().join(format!("{name}-agent"));
+        std::fs::create_dir_all(&state)?;
+        c.enroll(name, &token, &state)?;
+        assert_eq!(admin.put(&format!("/v1/machines/{name}"), &machine_json(name, json!({}), etcd_spec.clone())).await?.status, 200);
+        let controller = keelson_agent::client::Controller::from_state(&state, std::slice::from_ref(&c.url))?;
+        let pki_dir = dir.path().join(format!("{name}-pki"));
+        assert!(pki::renewal_reason(&pki_dir, &[], time::OffsetDateTime::now_utc()).is_some());
+        let member_tls = pki::obtain(&controller, &pki_dir, &name.parse()?).await?;
+        assert_eq!(pki::renewal_reason(&pki_dir, &["127.0.0.1".into()], time::OffsetDateTime::now_utc()), None);
+        let key_mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(pki_dir.join(pki::KEY_FILE))?.permissions());
+        assert_eq!(key_mode & 0o777, 0o600);
+        tls.push((pki_dir, member_tls));
+    }
+
+    // A machine whose spec has no etcd gets no member certificate.
+    let state = dir.path().join("worker-agent");
+    std::fs::create_dir_all(&state)?;
+    c.enroll("worker-1", &token, &state)?;
+    let worker = keelson_agent::client::Controller::from_state(&state, std::slice::from_ref(&c.url))?;
+    let refused = pki::obtain(&worker, &dir.path().join("worker-pki"), &"worker-1".parse()?).await.expect_err("refused");
+    assert!(refused.to_string().contains("machine worker-1 has no spec.etcd"), "{refused}");
+
+    // The cluster, with TLS everywhere; the second member joins through the first, with the
+    // agent's own member certificate as its client identity.
+    let files = |d: &std::path::Path| (d.join(pki::CA_FILE), d.join(pki::CERT_FILE), d.join(pki::KEY_FILE));
+    let mut members = Vec::new();
+    for (i, (pki_dir, _)) in tls.iter().enumerate() {
+        let (ca, cert, key) = files(pki_dir);
+        members.push(EtcdMember::new(dir.path(), &format!("etcd-{}", i + 1), "3.5.1").with_tls(&ca, &cert, &key));
+    }
+    let first = members[0].initial_cluster_entry();
+    members[0].start("new", &first);
+    let client = EtcdClient::new(vec![members[0].client_url.clone()], Some(&tls[0].1))?;
+    wait_healthy(&client, &members[0]).await;
+    let (learner, initial) = membership::add_learner(&client, "etcd-2", &members[1].peer_url, START_TIMEOUT).await?;
+    members[1].start("existing", &initial);
+    membership::promote_when_caught_up(&client, learner.id, START_TIMEOUT).await?;
+
+    // The operator's client certificate.
+    let out = dir.path().join("apiserver-etcd");
+    let cli = c.cli(&["etcd", "client-cert", "--cluster", "main", "--out", out.to_str().context("path")?])?;
+    assert!(cli.status.success(), "{}", String::from_utf8_lossy(&cli.stderr));
+    let operator = EtcdTls::from_files(&out.join("ca.crt"), &out.join("client.crt"), &out.join("client.key"))?;
+    let key_mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(out.join("client.key"))?.permissions());
+    assert_eq!(key_mode & 0o777, 0o600);
+    let as_operator = EtcdClient::new(members.iter().map(|m| m.client_url.clone()).collect(), Some(&operator))?;
+    as_operator.put("/registry/hello", "world").await?;
+    assert_eq!(as_operator.get_prefix("/registry/").await?, [("/registry/hello".to_string(), "world".to_string())]);
+    let listed: Vec<(String, bool)> = as_operator.members().await?.into_iter().map(|m| (m.name, m.is_learner)).collect();
+    assert_eq!(listed.len(), 2, "{listed:?}");
+    assert!(listed.iter().all(|(_, learner)| !learner), "{listed:?}");
+    // Asked again into the same directory: refused, nothing overwritten.
+    let again = c.cli(&["etcd", "client-cert", "--cluster", "main", "--out", out.to_str().context("path")?])?;
+    assert!(!again.status.success() && String::from_utf8_lossy(&again.stderr).contains("already exists"));
+    // A cluster nobody declares.
+    let nope = c.cli(&["etcd", "client-cert", "--cluster", "nope", "--out", dir.path().join("nope").to_str().context("path")?])?;
+    assert!(String::from_utf8_lossy(&nope.stderr).contains("no machine or pool declares etcd cluster nope"));
+    assert!(!dir.path().join("nope").join("client.key").exists());
+
+    // keelson's own admin identity (the controller's CA, not the cluster's) opens nothing.
+    let admin_conf = keelson_api::config::ClientConfig::from_yaml(&std::fs::read_to_string(c.admin_conf())?).map_err(anyhow::Error::msg)?;
+    let foreign = EtcdTls {
+        ca_pem: operator.ca_pem.clone(),
+        cert_pem: admin_conf.client_certificate.clone(),
+        key_pem: admin_conf.client_key.clone(),
+    };
+    let as_foreign = EtcdClient::new(vec![members[0].client_url.clone()], Some(&foreign))?;
+    assert!(as_foreign.put("/registry/intruder", "x").await.is_err());
+    assert_eq!(as_operator.get_prefix("/registry/").await?.len(), 1);
+    Ok(())
+}

@@ -3,6 +3,7 @@
 
 mod admin;
 mod agent;
+mod etcd;
 pub mod server;
 
 use std::sync::Arc;
@@ -46,6 +47,8 @@ pub struct App {
     pub waiters: Arc<SpecWaiters>,
     pub metrics: Metrics,
     pub config: ApiConfig,
+    /// The etcd clusters' certificate authorities.
+    pub etcd_pki: crate::etcd_pki::EtcdAuthorities,
     /// Cancelled at shutdown, so that long-polls and watches end promptly.
     pub shutdown: CancellationToken,
 }
@@ -59,6 +62,8 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/agent/events", post(agent::events))
         .route("/v1/agent/certificate", post(agent::rotate_certificate))
         .route("/v1/agent/reset", post(agent::reset_done))
+        .route("/v1/agent/etcd/certificate", post(etcd::member_certificate))
+        .route("/v1/etcd/{cluster}/client-certificates", post(etcd::client_certificate))
         .route("/v1/agent/disruptions", post(agent::acquire_disruption))
         .route("/v1/agent/disruptions/{id}", put(agent::renew_disruption).delete(agent::release_disruption))
         .route("/v1/leases", get(admin::list_leases))
