@@ -186,6 +186,14 @@ impl Controller {
         .map(|_| ())
     }
 
+    /// What joining the etcd cluster needs: whether this machine starts it, or where the
+    /// members are.
+    pub async fn etcd_cluster(&self) -> Result<keelson_api::wire::EtcdClusterInfo, ClientError> {
+        self.call(Method::GET, "/v1/agent/etcd/cluster", None, Duration::from_secs(REQUEST_TIMEOUT_SECS))
+            .await?
+            .ok_or_else(|| ClientError::Protocol("empty answer".into()))
+    }
+
     /// This machine's etcd member certificate, for the cluster its spec names.
     pub async fn etcd_certificate(&self, csr: &str) -> Result<keelson_api::wire::EtcdCertificate, ClientError> {
         let body = serde_json::json!({"csr": csr});

@@ -32,6 +32,7 @@ struct RawConfig {
     drift_interval_seconds: Option<u64>,
     lease_ttl_seconds: Option<u64>,
     log_level: Option<String>,
+    etcd_advertise_address: Option<String>,
 }
 
 impl RawConfig {
@@ -39,7 +40,18 @@ impl RawConfig {
         macro_rules! take {
             ($($f:ident),*) => { $( if other.$f.is_some() { self.$f = other.$f; } )* };
         }
-        take!(servers, ca_file, token, name, state_dir, heartbeat_interval_seconds, drift_interval_seconds, lease_ttl_seconds, log_level);
+        take!(
+            servers,
+            ca_file,
+            token,
+            name,
+            state_dir,
+            heartbeat_interval_seconds,
+            drift_interval_seconds,
+            lease_ttl_seconds,
+            log_level,
+            etcd_advertise_address
+        );
     }
 }
 
@@ -55,6 +67,9 @@ pub struct AgentConfig {
     pub drift_interval: Duration,
     pub lease_ttl: Duration,
     pub log_level: String,
+    /// The address an etcd member on this machine advertises; the machine's first address
+    /// when unset.
+    pub etcd_advertise_address: Option<std::net::IpAddr>,
 }
 
 fn read_layer(path: &Path) -> Result<RawConfig, ConfigError> {
@@ -113,6 +128,13 @@ fn validate(raw: RawConfig) -> Result<AgentConfig, ConfigError> {
         drift_interval: seconds("drift_interval_seconds", raw.drift_interval_seconds, 600, 5, 86_400)?,
         lease_ttl: seconds("lease_ttl_seconds", raw.lease_ttl_seconds, 120, 10, 3600)?,
         log_level: raw.log_level.unwrap_or_else(|| "info".into()),
+        etcd_advertise_address: raw
+            .etcd_advertise_address
+            .map(|a| {
+                a.parse::<std::net::IpAddr>()
+                    .map_err(|_| ConfigError::Invalid { key: "etcd_advertise_address", message: format!("{a:?} is not an IP address") })
+            })
+            .transpose()?,
     })
 }
 

@@ -84,6 +84,8 @@ pub async fn run(config: AgentConfig, cancel: CancellationToken) -> anyhow::Resu
     let rotation = Rotation { state_dir: config.state_dir.clone(), controller: controller.clone(), name: identity_name(&config)? };
     let reconciler = Reconciler {
         state_dir: config.state_dir.clone(),
+        name: identity_name(&config)?,
+        etcd_address: crate::facts::etcd_address(config.etcd_advertise_address),
         controller,
         lease_ttl: config.lease_ttl,
         report: report.clone(),
@@ -199,6 +201,7 @@ async fn send_status(
             versions: state.versions.clone(),
             facts: first.then(|| facts.clone()),
             current_step: state.current_step.clone(),
+            etcd: state.etcd.clone(),
         };
         if let Some(step) = &state.current_step {
             let text = format!("{}/{} {}", step.index, step.total, step.description);
@@ -270,6 +273,29 @@ async fn decommission(reconciler: &Reconciler, cancel: &CancellationToken) -> an
     let report = &reconciler.report;
     report.event("Normal", "ResetStarted", "the machine was deleted: undoing what keelson installed");
     report.condition(condition::UPDATING, ConditionStatus::True, "Resetting", "the machine was deleted");
+    // An etcd member leaves its cluster first; while that would cost the cluster its quorum
+    // (or its last member) nothing is undone, and the refusal is what the status says.
+    let spec = crate::ledger::Ledger::load(&reconciler.state_dir).unwrap_or_default().spec.unwrap_or_default();
+    let mut attempt = 0;
+    loop {
+        match reconciler.leave_etcd(&spec).await {
+            Ok(Some(what)) => {
+                report.event("Normal", "EtcdMemberRemoved", what);
+                break;
+            }
+            Ok(None) => break,
+            Err(e) => {
+                report.condition(condition::DEGRADED, ConditionStatus::True, "EtcdLeaveRefused", &e);
+                report.event("Warning", "EtcdLeaveRefused", format!("not resetting yet: {e}"));
+                attempt += 1;
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff(attempt)) => {}
+                    _ = cancel.cancelled() => anyhow::bail!("stopped while the etcd member could not leave its cluster"),
+                }
+            }
+        }
+    }
+    report.condition(condition::DEGRADED, ConditionStatus::False, "AsExpected", "");
     let reset = crate::reset::reset_machine(&reconciler.state_dir).await;
     let summary = reset.summary();
     tracing::info!(%summary, "reset done");
@@ -335,6 +361,7 @@ async fn reconcile_loop(
         reconciler.refresh_versions(&current.spec);
         let outcome = reconciler.reconcile(current.generation, &current.spec).await;
         reconciler.refresh_versions(&current.spec);
+        reconciler.refresh_etcd(&current.spec).await;
         tracing::info!(generation = current.generation, ?outcome, "reconcile pass ended");
         match outcome {
             Outcome::Rebooting | Outcome::Interrupted => {

@@ -26,9 +26,14 @@ pub fn collect() -> Facts {
     }
 }
 
+/// The address an etcd member here advertises: the configured one, else the machine's first.
+pub fn etcd_address(configured: Option<std::net::IpAddr>) -> Option<std::net::IpAddr> {
+    configured.or_else(|| addresses().iter().find_map(|a| a.parse().ok()))
+}
+
 /// The machine's own addresses: every IPv4 and IPv6 address on an interface that is up,
 /// except loopback and IPv6 link-local ones, which other machines cannot reach.
-fn addresses() -> Vec<String> {
+pub fn addresses() -> Vec<String> {
     use nix::net::if_::InterfaceFlags;
     let Ok(ifaddrs) = nix::ifaddrs::getifaddrs() else { return Vec::new() };
     let mut out: Vec<std::net::IpAddr> = ifaddrs

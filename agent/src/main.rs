@@ -96,7 +96,18 @@ async fn plan_command(cli: &Cli, spec: &Option<PathBuf>) -> anyhow::Result<ExitC
     let ledger = keelson_agent::ledger::Ledger::load(&state_dir)?;
     let observed = observe::observe(std::path::Path::new("/"), &ledger, &spec)?;
     let rebooted_for = journal::Journal::load(&state_dir).ok().flatten().and_then(|j| j.rebooted_for_generation);
-    let steps = plan::plan(&spec, &observed, &plan::Context { generation, rebooted_for_generation: rebooted_for })?;
+    let config = config::load(&cli.config, cli.state_dir.as_deref()).ok();
+    let name = match config.as_ref().and_then(|c| c.name.clone()) {
+        Some(n) => n,
+        None => keelson_agent::enroll::default_name()?,
+    };
+    let ctx = plan::Context {
+        generation,
+        rebooted_for_generation: rebooted_for,
+        name: name.to_string(),
+        etcd_address: keelson_agent::facts::etcd_address(config.as_ref().and_then(|c| c.etcd_advertise_address)),
+    };
+    let steps = plan::plan(&spec, &observed, &ctx)?;
     if steps.is_empty() {
         println!("nothing to do");
         return Ok(ExitCode::SUCCESS);

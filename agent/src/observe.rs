@@ -46,6 +46,10 @@ pub struct Observed {
     pub bootstrapped: BTreeSet<String>,
     /// The digest of the containerd release tarball whose binaries are in place, unchanged.
     pub runtime_artifact: Option<String>,
+    /// What the etcd binary the spec's source implies says it is (role etcd only).
+    pub etcd_version: Option<String>,
+    /// etcd's data directory holds a member: it joined (or started) the cluster before.
+    pub etcd_member: bool,
     pub package_manager: Manager,
 }
 
@@ -110,6 +114,10 @@ pub fn observe(root: &Path, ledger: &Ledger, spec: &MachineSpec) -> Result<Obser
         paths.push(crate::drivers::kubelet::UNIT.to_owned());
         paths.push(crate::drivers::kubelet::DROPIN.to_owned());
     }
+    if spec.etcd.is_some() {
+        paths.push(crate::drivers::etcd::UNIT.to_owned());
+        paths.push(crate::drivers::etcd::ENV_FILE.to_owned());
+    }
     let mut files = BTreeMap::new();
     for p in paths {
         use std::os::unix::fs::PermissionsExt;
@@ -128,6 +136,11 @@ pub fn observe(root: &Path, ledger: &Ledger, spec: &MachineSpec) -> Result<Obser
         kubelet_version: spec.kubelet.as_ref().and_then(|_| crate::drivers::kubelet::installed_version(root)),
         bootstrapped: ledger.bootstrapped.clone(),
         runtime_artifact: ledger.intact_runtime_artifact(root).map(|a| a.sha256.clone()),
+        etcd_version: spec
+            .etcd
+            .as_ref()
+            .and_then(|e| crate::drivers::etcd::installed_version(root, crate::drivers::etcd::binary(e.source.url.is_some()))),
+        etcd_member: spec.etcd.is_some() && crate::drivers::etcd::has_member_data(root),
         package_manager: manager,
     })
 }
@@ -141,6 +154,9 @@ pub fn versions(o: &Observed, ledger: &Ledger, spec: &MachineSpec) -> Versions {
                 v.os.insert(p.name.to_string(), i.version.clone());
             }
         }
+    }
+    if spec.etcd.is_some() {
+        v.etcd = o.etcd_version.clone();
     }
     if let Some(rt) = &spec.container_runtime {
         v.container_runtime = match &rt.source.package {

@@ -78,6 +78,24 @@ pub enum Action {
         env: BTreeMap<String, String>,
         timeout_seconds: u32,
     },
+    /// This machine's etcd member: install the binary (`package` or the cached tarball
+    /// `artifact`), write the unit and settings, then join the cluster (`join`: no member data
+    /// here yet) or restart the member carefully (all healthy, snapshot, leadership away) and
+    /// wait until it serves `version` and has caught up.
+    Etcd {
+        cluster: String,
+        version: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        package: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        artifact: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        unit: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        env: Option<String>,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        join: bool,
+    },
     /// Reboot, and after boot check that `expected_kernel` (when known) is running.
     Reboot {
         reason: String,
@@ -110,6 +128,10 @@ pub struct Step {
 #[derive(Debug, Clone, Default)]
 pub struct Context {
     pub generation: u64,
+    /// This machine's name (an etcd member is named after it).
+    pub name: String,
+    /// The address an etcd member advertises to its peers and clients.
+    pub etcd_address: Option<std::net::IpAddr>,
     /// The generation a `reboot: Always` reboot was last done for.
     pub rebooted_for_generation: Option<u64>,
 }
@@ -157,9 +179,6 @@ fn file_differs(observed: &Observed, path: &str, content: &str, mode: u32) -> bo
 }
 
 pub fn plan(spec: &MachineSpec, observed: &Observed, ctx: &Context) -> Result<Vec<Step>, PlanError> {
-    if spec.etcd.is_some() {
-        return Err(PlanError::Unsupported { field: "spec.etcd", message: "this agent does not manage etcd members yet".into() });
-    }
     let mut steps = Vec::new();
     let mut kernel_changes = false;
 
@@ -341,6 +360,55 @@ pub fn plan(spec: &MachineSpec, observed: &Observed, ctx: &Context) -> Result<Ve
         }
     }
 
+    if let Some(e) = &spec.etcd {
+        use crate::drivers::etcd as host;
+        let Some(address) = ctx.etcd_address else {
+            return Err(PlanError::Unsupported {
+                field: "spec.etcd",
+                message: "this machine has no address to advertise to etcd peers: set etcd_advertise_address in the agent's configuration"
+                    .into(),
+            });
+        };
+        let tarball = e.source.url.is_some();
+        let version = e.version.trim_start_matches('v').to_owned();
+        let binary_differs = observed.etcd_version.as_deref() != Some(version.as_str());
+        let unit_wanted = host::unit_content(host::binary(tarball));
+        let unit = file_differs(observed, host::UNIT, &unit_wanted, 0o644).then_some(unit_wanted);
+        let env_wanted = host::env_content(&ctx.name, address, e.cluster.as_str());
+        let env = file_differs(observed, host::ENV_FILE, &env_wanted, 0o644).then_some(env_wanted);
+        let join = !observed.etcd_member;
+        let sha256 = e.source.sha256.as_ref().map(|d| d.to_string());
+        if let (true, true, Some(url), Some(sha)) = (tarball, binary_differs, &e.source.url, &sha256) {
+            steps.push(Step {
+                description: format!("fetch etcd {version}"),
+                disruptive: false,
+                action: Action::FetchArtifact { url: url.to_string(), sha256: sha.clone() },
+            });
+        }
+        if binary_differs || unit.is_some() || env.is_some() || join {
+            let description = if join {
+                format!("join etcd cluster {} with etcd {version}", e.cluster)
+            } else if binary_differs {
+                format!("upgrade the etcd member to {version}")
+            } else {
+                "reconfigure the etcd member and restart it".to_owned()
+            };
+            steps.push(Step {
+                description,
+                disruptive: true,
+                action: Action::Etcd {
+                    cluster: e.cluster.to_string(),
+                    version,
+                    package: e.source.package.as_ref().filter(|_| binary_differs).map(|p| p.to_string()),
+                    artifact: sha256.filter(|_| tarball && binary_differs),
+                    unit,
+                    env,
+                    join,
+                },
+            });
+        }
+    }
+
     for f in &spec.files {
         if file_differs(observed, &f.path, &f.content, f.mode.0) {
             steps.push(Step {
@@ -424,6 +492,16 @@ pub fn apply_model(observed: &Observed, steps: &[Step]) -> Observed {
                 for n in names {
                     if let Some(i) = o.packages.get_mut(n) {
                         i.held = true;
+                    }
+                }
+            }
+            Action::Etcd { version, unit, env, .. } => {
+                use crate::drivers::etcd as host;
+                o.etcd_version = Some(version.clone());
+                o.etcd_member = true;
+                for (path, content) in [(host::UNIT, unit), (host::ENV_FILE, env)] {
+                    if let Some(c) = content {
+                        o.files.insert(path.to_owned(), crate::observe::FileState { sha256: sha256_hex(c.as_bytes()), mode: 0o644 });
                     }
                 }
             }
@@ -576,11 +654,39 @@ mod tests {
     }
 
     #[test]
-    fn unsupported_parts_are_refused_not_ignored() {
+    fn an_etcd_member_without_an_address_is_refused_not_guessed() {
         let s = spec_from(
             serde_json::json!({"roles": ["etcd"], "etcd": {"cluster": "main", "version": "3.5.1", "source": {"package": "etcd-server"}}}),
         );
         assert!(matches!(plan(&s, &machine(), &Context::default()), Err(PlanError::Unsupported { field: "spec.etcd", .. })));
+    }
+
+    #[test]
+    fn an_etcd_member_joins_once_then_upgrades_in_one_careful_step() -> Result<(), PlanError> {
+        let sha = "a".repeat(64);
+        let tarball = |version: &str| {
+            spec_from(serde_json::json!({"roles": ["etcd"], "etcd": {"cluster": "main", "version": version,
+                "source": {"url": format!("https://artifacts.example/etcd-v{version}-linux-amd64.tar.gz"), "sha256": sha}}}))
+        };
+        let ctx = Context { name: "etcd-1".into(), etcd_address: Some([192, 168, 77, 11].into()), ..Context::default() };
+        let fresh = machine();
+        let s = tarball("3.4.23");
+        let steps = plan(&s, &fresh, &ctx)?;
+        assert_eq!(shape(&steps), vec![(false, "fetch etcd 3.4.23"), (true, "join etcd cluster main with etcd 3.4.23")]);
+        assert!(matches!(&steps[1].action, Action::Etcd { join: true, artifact: Some(_), unit: Some(_), env: Some(_), .. }));
+        let member = apply_model(&fresh, &steps);
+        assert!(plan(&s, &member, &ctx)?.is_empty());
+        // A new version: fetched, then one disruptive step that restarts the member (no join).
+        let steps = plan(&tarball("3.5.1"), &member, &ctx)?;
+        assert_eq!(shape(&steps), vec![(false, "fetch etcd 3.5.1"), (true, "upgrade the etcd member to 3.5.1")]);
+        assert!(matches!(&steps[1].action, Action::Etcd { join: false, unit: None, env: None, .. }));
+        // A changed address rewrites the settings and restarts the member.
+        let moved = Context { etcd_address: Some([192, 168, 77, 12].into()), ..ctx.clone() };
+        assert_eq!(shape(&plan(&s, &member, &moved)?), vec![(true, "reconfigure the etcd member and restart it")]);
+        // A member whose data is gone joins again.
+        let wiped = Observed { etcd_member: false, ..member };
+        assert_eq!(shape(&plan(&s, &wiped, &ctx)?), vec![(true, "join etcd cluster main with etcd 3.4.23")]);
+        Ok(())
     }
 
     #[test]
@@ -727,6 +833,8 @@ mod tests {
                 kubelet_version: None,
                 bootstrapped,
                 runtime_artifact,
+                etcd_version: None,
+                etcd_member: false,
                 package_manager: Default::default(),
             })
     }

@@ -36,6 +36,8 @@ use crate::ledger::{InstalledArtifact, Ledger};
 use crate::observe::{self, CONTAINERD_CONFIG};
 use crate::plan::{self, Action, Context, Step};
 
+mod etcd_step;
+
 /// Attempts at a failing step before the machine is Degraded.
 pub const MAX_ATTEMPTS: u32 = 3;
 const RETRY_BASE_SECS: u64 = 5;
@@ -73,6 +75,8 @@ pub struct ReportState {
     pub events: Vec<Event>,
     /// What is installed, as last observed (each pass and each drift check).
     pub versions: Versions,
+    /// This machine's etcd member, as last seen (role etcd only).
+    pub etcd: Option<keelson_api::machine::EtcdMemberStatus>,
 }
 
 impl Report {
@@ -120,6 +124,10 @@ impl Report {
 #[derive(Debug)]
 pub struct Reconciler {
     pub state_dir: PathBuf,
+    /// This machine's name (its identity's).
+    pub name: keelson_api::meta::Name,
+    /// The address an etcd member here advertises.
+    pub etcd_address: Option<std::net::IpAddr>,
     pub controller: Controller,
     pub lease_ttl: Duration,
     pub report: Arc<Report>,
@@ -218,7 +226,12 @@ impl Reconciler {
                 {
                     return self.degraded(generation, "LedgerUnwritable", e.to_string());
                 }
-                let ctx = Context { generation, rebooted_for_generation: rebooted_for };
+                let ctx = Context {
+                    generation,
+                    rebooted_for_generation: rebooted_for,
+                    name: self.name.to_string(),
+                    etcd_address: self.etcd_address,
+                };
                 let steps = match plan::plan(spec, &observed, &ctx) {
                     Ok(s) => s,
                     Err(e) => return self.degraded(generation, "Unsupported", e.to_string()),
@@ -460,6 +473,9 @@ impl Reconciler {
             }
             Action::Kubelet { artifact: digest, version, unit, dropin, package: None, .. } => {
                 self.kubelet_step(digest.as_deref(), version, unit.as_deref(), dropin.as_deref()).await?
+            }
+            Action::Etcd { cluster, version, package, artifact, unit, env, join } => {
+                self.etcd_step(cluster, version, package.as_deref(), artifact.as_deref(), unit.as_deref(), env.as_deref(), *join).await?
             }
             Action::Script { name, when, run, env, timeout_seconds } => {
                 self.script_step(journal.generation, name, *when, run, env, *timeout_seconds).await?

@@ -38,6 +38,15 @@ impl Reset {
         }
     }
 
+    /// Removes a directory keelson made (an etcd member's data once it has left, its TLS).
+    fn remove_dir(&mut self, path: &str) {
+        match std::fs::remove_dir_all(path) {
+            Ok(()) => self.done.push(format!("removed {path}")),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => self.failed.push(format!("removing {path}: {e}")),
+        }
+    }
+
     /// Unholds and removes a package keelson installed.
     async fn uninstall(&mut self, pm: Option<Manager>, name: String) {
         let Some(pm) = pm else {
@@ -65,6 +74,26 @@ pub async fn reset_machine(state_dir: &Path) -> Reset {
     let spec = ledger.spec.clone().unwrap_or_default();
     let pm = Manager::detect(Path::new("/"));
 
+    if let Some(e) = &spec.etcd {
+        use crate::drivers::etcd as host;
+        r.record("stopped and disabled the etcd member", systemd::disable_now(host::UNIT_NAME).await);
+        match &e.source.package {
+            Some(p) => r.uninstall(pm, p.to_string()).await,
+            None => {
+                for b in ["etcd", "etcdctl", "etcdutl"] {
+                    let path = format!("{}/{b}", host::TARBALL_BIN_DIR);
+                    r.remove(&path);
+                    r.remove(&files::previous_path(Path::new(&path)).to_string_lossy());
+                }
+            }
+        }
+        r.record("unmasked etcd.service", systemd::unmask(host::PACKAGE_UNIT).await);
+        for path in [host::UNIT, host::ENV_FILE, host::INITIAL_ENV_FILE] {
+            r.remove(path);
+        }
+        r.remove_dir(host::PKI_DIR);
+        r.remove_dir(host::DATA_DIR);
+    }
     if let Some(k) = &spec.kubelet {
         r.record("stopped and disabled kubelet", systemd::disable_now("kubelet").await);
         match &k.source.package {

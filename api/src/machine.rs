@@ -376,6 +376,38 @@ pub struct MachineStatus {
     /// The pool revision the spec came from; set by the controller.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pool_revision: Option<u64>,
+    /// The machine's etcd member, as its agent last saw it (role etcd only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub etcd: Option<EtcdMemberStatus>,
+}
+
+/// An etcd member as its machine's agent reports it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct EtcdMemberStatus {
+    pub cluster: Name,
+    /// The member ID etcd gave it, in hex as etcdctl prints it.
+    pub member_id: String,
+    pub client_url: String,
+    pub peer_url: String,
+    #[serde(default)]
+    pub version: String,
+    #[serde(default)]
+    pub learner: bool,
+    #[serde(default)]
+    pub leader: bool,
+    #[serde(default)]
+    pub raft_index: u64,
+    #[serde(default)]
+    pub db_size_bytes: u64,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub alarms: Vec<String>,
+    /// The member answers and sees a leader.
+    #[serde(default)]
+    pub healthy: bool,
+    /// The last snapshot taken on the machine before a change to the member.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_snapshot: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::machine::{CurrentStep, Facts, MachineSpec, Phase, Versions};
+use crate::machine::{CurrentStep, EtcdMemberStatus, Facts, MachineSpec, Phase, Versions};
 use crate::meta::{Condition, Name};
 
 /// `POST /v1/enroll`: a bootstrap token, a CSR made on the machine, and its facts.
@@ -51,6 +51,21 @@ pub struct EtcdCertificate {
     pub not_after: time::OffsetDateTime,
 }
 
+/// `GET /v1/agent/etcd/cluster`: what a joining member needs from the controller.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct EtcdClusterInfo {
+    pub cluster: Name,
+    /// This machine starts the cluster: no member exists, and it holds the claim to be first.
+    pub initialize: bool,
+    /// The machine holding the claim to start the cluster, when another one does.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initializer: Option<Name>,
+    /// Client URLs of the members the cluster's machines report, to join through.
+    #[serde(default)]
+    pub client_urls: Vec<String>,
+}
+
 /// `GET /v1/agent/spec?after=G`: the machine's spec at its current generation.
 /// `changed` is false when the long-poll timed out with nothing newer than `after`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -89,6 +104,8 @@ pub struct AgentStatus {
     pub facts: Option<Facts>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub current_step: Option<CurrentStep>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub etcd: Option<EtcdMemberStatus>,
 }
 
 /// `POST /v1/tokens`: what the new token allows.

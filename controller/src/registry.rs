@@ -35,6 +35,8 @@ pub const IDENTITIES: &str = "/identities/";
 pub const EVENTS: &str = "/events/";
 pub const REVISIONS: &str = "/revisions/";
 pub const ROLLOUTS: &str = "/rollouts/";
+/// Per etcd cluster: which machine started it (the claim is made once, atomically).
+pub const ETCD_CLUSTERS: &str = "/etcd-clusters/";
 
 /// Events kept per machine.
 const EVENTS_KEPT: usize = 200;
@@ -400,6 +402,9 @@ impl Registry {
                     m.status.facts = report.facts.clone();
                 }
                 m.status.current_step = report.current_step.clone();
+                if report.etcd.is_some() {
+                    m.status.etcd = report.etcd.clone();
+                }
                 m.status.last_heartbeat_time = Some(now);
                 progressed = m.status.pool.is_some() && progress(m) != before;
                 Ok(true)

@@ -118,6 +118,13 @@ impl Controller {
         Ok(String::from_utf8(out.stdout)?.trim().to_owned())
     }
 
+    /// A client holding the identity an agent keeps in `state_dir`.
+    pub fn machine_client(&self, state_dir: &Path) -> anyhow::Result<ApiClient> {
+        let cert = std::fs::read_to_string(state_dir.join("machine.crt"))?;
+        let key = std::fs::read_to_string(state_dir.join("machine.key"))?;
+        ApiClient::new(&self.url, &self.ca_pem()?, Some((&cert, &key)))
+    }
+
     /// Enrolls a machine with the real agent binary; returns a client holding its identity.
     pub fn enroll(&self, name: &str, token: &str, state_dir: &Path) -> anyhow::Result<ApiClient> {
         let ca = self.data_dir.join("ca.crt");
@@ -131,9 +138,7 @@ impl Controller {
         if !out.status.success() {
             bail!("enroll {name} failed: {}", String::from_utf8_lossy(&out.stderr));
         }
-        let cert = std::fs::read_to_string(state_dir.join("machine.crt"))?;
-        let key = std::fs::read_to_string(state_dir.join("machine.key"))?;
-        ApiClient::new(&self.url, &self.ca_pem()?, Some((&cert, &key)))
+        self.machine_client(state_dir)
     }
 }
 

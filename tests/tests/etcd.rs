@@ -209,6 +209,22 @@ async fn members_and_clients_use_the_controllers_cluster_ca() -> R {
         tls.push((pki_dir, member_tls));
     }
 
+    // Who starts the cluster: the first member to ask, once; the other waits for it, then
+    // joins through the members the machines report.
+    let ask = |state: std::path::PathBuf| {
+        let url = c.url.clone();
+        async move {
+            let controller = keelson_agent::client::Controller::from_state(&state, std::slice::from_ref(&url))?;
+            anyhow::Ok(controller.etcd_cluster().await?)
+        }
+    };
+    let first = ask(dir.path().join("etcd-1-agent")).await?;
+    assert!(first.initialize && first.client_urls.is_empty(), "{first:?}");
+    let second = ask(dir.path().join("etcd-2-agent")).await?;
+    assert!(!second.initialize && second.client_urls.is_empty(), "{second:?}");
+    assert_eq!(second.initializer.as_ref().map(|n| n.as_str()), Some("etcd-1"));
+    assert!(ask(dir.path().join("etcd-1-agent")).await?.initialize, "the claim is kept by the machine that took it");
+
     // A machine whose spec has no etcd gets no member certificate.
     let state = dir.path().join("worker-agent");
     std::fs::create_dir_all(&state)?;
@@ -232,6 +248,18 @@ async fn members_and_clients_use_the_controllers_cluster_ca() -> R {
     let (learner, initial) = membership::add_learner(&client, "etcd-2", &members[1].peer_url, START_TIMEOUT).await?;
     members[1].start("existing", &initial);
     membership::promote_when_caught_up(&client, learner.id, START_TIMEOUT).await?;
+
+    // etcd-1 reports its member; etcd-2's agent now learns where to join.
+    let etcd1 = c.machine_client(&dir.path().join("etcd-1-agent"))?;
+    let mut report = keelson_tests::status_report(0);
+    report["etcd"] =
+        json!({"cluster": "main", "memberId": "1", "clientUrl": members[0].client_url, "peerUrl": members[0].peer_url, "version": "3.5.1"});
+    let put = etcd1.put("/v1/agent/status", &report).await?;
+    assert_eq!(put.status, 204, "{}", put.text);
+    let second = ask(dir.path().join("etcd-2-agent")).await?;
+    assert_eq!((second.initialize, second.client_urls.clone()), (false, vec![members[0].client_url.clone()]));
+    let first = ask(dir.path().join("etcd-1-agent")).await?;
+    assert!(!first.initialize || first.client_urls.is_empty(), "{first:?}");
 
     // The operator's client certificate.
     let out = dir.path().join("apiserver-etcd");

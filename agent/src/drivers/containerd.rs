@@ -46,8 +46,8 @@ WantedBy=multi-user.target
 
 #[derive(Debug, thiserror::Error)]
 pub enum TarballError {
-    #[error("{path}: not a containerd release tarball: {message}")]
-    Invalid { path: PathBuf, message: String },
+    #[error("{path}: not a release tarball of {what}: {message}")]
+    Invalid { path: PathBuf, what: String, message: String },
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,
@@ -59,12 +59,25 @@ pub enum TarballError {
 /// Unpacks the regular files directly under `bin/` of a gzipped release tarball into
 /// `staging`, returning their names. Nothing else in the tarball is written anywhere.
 pub fn unpack_binaries(tarball: &Path, staging: &Path) -> Result<Vec<String>, TarballError> {
+    unpack_release(tarball, staging, ("bin/", |dir: &str| dir == "bin"), &["containerd", "ctr"], "containerd")
+}
+
+/// Unpacks the regular files one directory deep whose directory `dir_matches` (a release's
+/// `bin/`, or etcd's `etcd-vX.Y.Z-linux-amd64/`; the label names it in errors) into
+/// `staging`; `required` must be among them. Returns their names, sorted.
+pub fn unpack_release(
+    tarball: &Path,
+    staging: &Path,
+    (dir_label, dir_matches): (&str, impl Fn(&str) -> bool),
+    required: &[&str],
+    what: &str,
+) -> Result<Vec<String>, TarballError> {
     use std::os::unix::fs::PermissionsExt;
     let io = |path: &Path| {
         let path = path.to_owned();
         move |source| TarballError::Io { path, source }
     };
-    let invalid = |message: String| TarballError::Invalid { path: tarball.to_owned(), message };
+    let invalid = |message: String| TarballError::Invalid { path: tarball.to_owned(), what: what.to_owned(), message };
     std::fs::create_dir_all(staging).map_err(io(staging))?;
     let file = std::fs::File::open(tarball).map_err(io(tarball))?;
     let mut archive = tar::Archive::new(flate2::read::GzDecoder::new(file));
@@ -77,23 +90,23 @@ pub fn unpack_binaries(tarball: &Path, staging: &Path) -> Result<Vec<String>, Ta
         let path = entry.path().map_err(|e| invalid(e.to_string()))?.into_owned();
         let parts: Vec<_> = path.components().filter(|c| !matches!(c, std::path::Component::CurDir)).collect();
         let [std::path::Component::Normal(dir), std::path::Component::Normal(name)] = parts.as_slice() else { continue };
-        if *dir != "bin" {
+        if !dir_matches(&dir.to_string_lossy()) {
             continue;
         }
         let name = name.to_string_lossy().into_owned();
         if entry.size() > MAX_BINARY_BYTES {
-            return Err(invalid(format!("bin/{name} is {} bytes", entry.size())));
+            return Err(invalid(format!("{} is {} bytes", path.display(), entry.size())));
         }
         let out = staging.join(&name);
         let mut bytes = Vec::with_capacity(entry.size() as usize);
-        entry.read_to_end(&mut bytes).map_err(|e| invalid(format!("bin/{name}: {e}")))?;
+        entry.read_to_end(&mut bytes).map_err(|e| invalid(format!("{}: {e}", path.display())))?;
         std::fs::write(&out, &bytes).map_err(io(&out))?;
         std::fs::set_permissions(&out, std::fs::Permissions::from_mode(0o755)).map_err(io(&out))?;
         names.push(name);
     }
-    for required in ["containerd", "ctr"] {
-        if !names.iter().any(|n| n == required) {
-            return Err(invalid(format!("it has no bin/{required}")));
+    for r in required {
+        if !names.iter().any(|n| n == r) {
+            return Err(invalid(format!("it has no {dir_label}{r}")));
         }
     }
     names.sort();
@@ -103,9 +116,18 @@ pub fn unpack_binaries(tarball: &Path, staging: &Path) -> Result<Vec<String>, Ta
 /// Installs the tarball's binaries into `bin_dir`, each by rename with the previous kept;
 /// returns what the ledger records for each.
 pub fn install_tarball(tarball: &Path, bin_dir: &Path) -> Result<BTreeMap<String, FileStamp>, TarballError> {
+    install_unpacked(bin_dir, |staging| unpack_binaries(tarball, staging))
+}
+
+/// Unpacks with `unpack` into a staging directory beside `bin_dir`, then moves each binary
+/// into place by rename, keeping the previous; returns what the ledger records for each.
+pub fn install_unpacked(
+    bin_dir: &Path,
+    unpack: impl FnOnce(&Path) -> Result<Vec<String>, TarballError>,
+) -> Result<BTreeMap<String, FileStamp>, TarballError> {
     let staging = bin_dir.join(".keelson-staging");
     let _ = std::fs::remove_dir_all(&staging);
-    let names = unpack_binaries(tarball, &staging)?;
+    let names = unpack(&staging)?;
     let mut stamps = BTreeMap::new();
     for name in &names {
         let target = bin_dir.join(name);
@@ -163,7 +185,7 @@ pub fn parse_server_version(out: &str) -> Option<String> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -173,7 +195,7 @@ mod tests {
         assert_eq!(parse_server_version("Client:\n  Version: 1\n"), None);
     }
 
-    fn tarball(dir: &Path, entries: &[(&str, &[u8])]) -> anyhow::Result<PathBuf> {
+    pub(crate) fn tarball(dir: &Path, entries: &[(&str, &[u8])]) -> anyhow::Result<PathBuf> {
         let path = dir.join("containerd.tar.gz");
         let mut builder = tar::Builder::new(flate2::write::GzEncoder::new(std::fs::File::create(&path)?, flate2::Compression::fast()));
         for (name, bytes) in entries {
@@ -223,7 +245,7 @@ mod tests {
         let dir = tempfile::tempdir()?;
         let t = tarball(dir.path(), &[("bin/ctr", b"x")])?;
         let err = install_tarball(&t, dir.path()).err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(err.ends_with("not a containerd release tarball: it has no bin/containerd"), "{err}");
+        assert!(err.ends_with("not a release tarball of containerd: it has no bin/containerd"), "{err}");
         std::fs::write(dir.path().join("junk.tar.gz"), b"not gzip")?;
         assert!(install_tarball(&dir.path().join("junk.tar.gz"), dir.path()).is_err());
         Ok(())

@@ -6,6 +6,7 @@ pub mod artifact;
 pub mod command;
 pub mod containerd;
 pub mod dnf;
+pub mod etcd;
 pub mod files;
 pub mod kubelet;
 pub mod packages;

@@ -30,6 +30,19 @@ pub async fn disable_now(unit: &str) -> Result<(), CommandError> {
     run(&["systemctl", "disable", "--now", unit], &[], Duration::from_secs(SYSTEMCTL_TIMEOUT_SECS)).await.map(|_| ())
 }
 
+/// Keeps a unit from ever starting (a package's own unit that keelson replaces).
+pub async fn mask(unit: &str) -> Result<(), CommandError> {
+    run(&["systemctl", "mask", unit], &[], Duration::from_secs(60)).await.map(|_| ())
+}
+
+pub async fn unmask(unit: &str) -> Result<(), CommandError> {
+    run(&["systemctl", "unmask", unit], &[], Duration::from_secs(60)).await.map(|_| ())
+}
+
+pub async fn stop(unit: &str) -> Result<(), CommandError> {
+    run(&["systemctl", "stop", unit], &[], Duration::from_secs(SYSTEMCTL_TIMEOUT_SECS)).await.map(|_| ())
+}
+
 pub async fn daemon_reload() -> Result<(), CommandError> {
     run(&["systemctl", "daemon-reload"], &[], Duration::from_secs(60)).await.map(|_| ())
 }

@@ -3,5 +3,6 @@
 //! and the member's TLS identity from the controller's per-cluster CA (`pki`).
 
 pub mod client;
+pub mod member;
 pub mod membership;
 pub mod pki;

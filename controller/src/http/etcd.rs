@@ -1,6 +1,11 @@
-//! etcd certificates: a member's agent gets its member certificate for the cluster its spec
-//! names; an operator gets a client certificate (for kube-apiserver, etcdctl) for a cluster
-//! that some machine or pool declares. Both send CSRs; keys never reach the controller.
+//! etcd clusters: a member's agent gets its member certificate for the cluster its spec names,
+//! and learns whether it starts the cluster or where the members are to join through; an
+//! operator gets a client certificate (for kube-apiserver, etcdctl) for a cluster that some
+//! machine or pool declares. Certificates come from CSRs; keys never reach the controller.
+//!
+//! Exactly one machine ever starts a cluster: the first to ask while no member is reported
+//! takes a claim (`/etcd-clusters/<cluster>`, created atomically) and keeps it; everyone else
+//! joins through the members the cluster's machines report.
 
 use std::sync::Arc;
 
@@ -10,12 +15,14 @@ use keelson_api::machine::Machine;
 use keelson_api::meta::Name;
 use keelson_api::pool::MachinePool;
 use keelson_api::validate::parse_name;
-use keelson_api::wire::{EtcdCertificate, EtcdCertificateRequest};
+use keelson_api::wire::{EtcdCertificate, EtcdCertificateRequest, EtcdClusterInfo};
+use serde::{Deserialize, Serialize};
 
 use super::{App, JsonBody, PeerExt, require_admin, require_machine};
 use crate::error::ApiError;
 use crate::pki::{Issued, PkiError};
-use crate::registry::{MACHINES, POOLS};
+use crate::registry::{ETCD_CLUSTERS, MACHINES, POOLS, encode};
+use crate::store::{Op, Precondition, StoreError};
 
 type ApiResult<T> = Result<T, ApiError>;
 
@@ -87,4 +94,54 @@ async fn cluster_declared(app: &App, cluster: &Name) -> ApiResult<bool> {
     }
     let (pools, _) = app.registry.list::<MachinePool>(POOLS).await?;
     Ok(pools.iter().any(|p| p.object.spec.template.spec.etcd.as_ref().is_some_and(|e| &e.cluster == cluster)))
+}
+
+/// Who started an etcd cluster.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ClusterClaim {
+    initializer: Name,
+}
+
+/// `GET /v1/agent/etcd/cluster`: whether the calling machine starts its cluster, or the client
+/// URLs of the voting members the cluster's other machines report.
+pub async fn cluster_info(State(app): State<Arc<App>>, peer: PeerExt) -> ApiResult<Json<EtcdClusterInfo>> {
+    let (name, _) = require_machine(&app, &peer).await?;
+    let machine = app.registry.machine(name.as_str()).await?.object;
+    let Some(etcd) = machine.spec.etcd else {
+        return Err(ApiError::Forbidden(format!("machine {name} has no spec.etcd: it is not an etcd member")));
+    };
+    let cluster = etcd.cluster;
+    let (machines, _) = app.registry.list::<Machine>(MACHINES).await?;
+    let client_urls: Vec<String> = machines
+        .iter()
+        .map(|m| &m.object)
+        .filter(|m| m.metadata.name.as_ref() != Some(&name))
+        .filter(|m| m.spec.etcd.as_ref().is_some_and(|e| e.cluster == cluster))
+        .filter_map(|m| m.status.etcd.as_ref().filter(|e| e.cluster == cluster && !e.learner).map(|e| e.client_url.clone()))
+        .collect();
+    let key = format!("{ETCD_CLUSTERS}{cluster}");
+    let claim = app.registry.get::<ClusterClaim>(&key).await?.map(|c| c.object.initializer);
+    let initializer = match claim {
+        Some(holder) => holder,
+        None if client_urls.is_empty() => {
+            let mine = ClusterClaim { initializer: name.clone() };
+            let put = Op::Put { key: key.clone(), value: encode(&mine), precondition: Precondition::Absent };
+            match app.registry.store.txn(vec![put]).await {
+                Ok(_) => {
+                    tracing::info!(%cluster, machine = %name, "this machine starts the etcd cluster");
+                    name.clone()
+                }
+                Err(StoreError::Conflict { .. }) => match app.registry.get::<ClusterClaim>(&key).await? {
+                    Some(c) => c.object.initializer,
+                    None => return Err(ApiError::Unavailable("the etcd cluster claim changed; ask again".into())),
+                },
+                Err(e) => return Err(e.into()),
+            }
+        }
+        // Members exist from before claims were kept: nobody starts the cluster again.
+        None => return Ok(Json(EtcdClusterInfo { cluster, initialize: false, initializer: None, client_urls })),
+    };
+    let initialize = initializer == name && client_urls.is_empty();
+    Ok(Json(EtcdClusterInfo { cluster, initialize, initializer: Some(initializer), client_urls }))
 }

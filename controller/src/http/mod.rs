@@ -63,6 +63,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/agent/certificate", post(agent::rotate_certificate))
         .route("/v1/agent/reset", post(agent::reset_done))
         .route("/v1/agent/etcd/certificate", post(etcd::member_certificate))
+        .route("/v1/agent/etcd/cluster", get(etcd::cluster_info))
         .route("/v1/etcd/{cluster}/client-certificates", post(etcd::client_certificate))
         .route("/v1/agent/disruptions", post(agent::acquire_disruption))
         .route("/v1/agent/disruptions/{id}", put(agent::renew_disruption).delete(agent::release_disruption))
