@@ -195,8 +195,8 @@ impl Controller {
     }
 
     /// This machine's etcd member certificate, for the cluster its spec names.
-    pub async fn etcd_certificate(&self, csr: &str) -> Result<keelson_api::wire::EtcdCertificate, ClientError> {
-        let body = serde_json::json!({"csr": csr});
+    pub async fn etcd_certificate(&self, csr: &str, addresses: &[String]) -> Result<keelson_api::wire::EtcdCertificate, ClientError> {
+        let body = serde_json::json!({"csr": csr, "addresses": addresses});
         self.call(Method::POST, "/v1/agent/etcd/certificate", Some(body), Duration::from_secs(REQUEST_TIMEOUT_SECS))
             .await?
             .ok_or_else(|| ClientError::Protocol("empty answer".into()))

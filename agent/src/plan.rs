@@ -2,7 +2,7 @@
 //! list of idempotent steps, each marked disruptive or not. It never touches the machine.
 //!
 //! The order: preUpgrade scripts → repositories → OS packages → container runtime → kubelet →
-//! files → bootstrap scripts → reboot → postUpgrade scripts. preUpgrade and postUpgrade
+//! etcd member → files → bootstrap scripts → reboot → postUpgrade scripts. preUpgrade and postUpgrade
 //! scripts run only when something else changes, so an up-to-date machine has an empty plan;
 //! a bootstrap script runs once per machine (the ledger remembers it by name).
 

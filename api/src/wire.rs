@@ -38,6 +38,10 @@ pub struct EtcdCertificateRequest {
     /// Client certificates only: the common name, e.g. `kube-apiserver`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub common_name: Option<String>,
+    /// Member certificates only: the addresses the member advertises (IP addresses), named
+    /// in the certificate with the machine's reported ones.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub addresses: Vec<String>,
 }
 
 /// A certificate signed by an etcd cluster's CA, and that CA.

@@ -428,7 +428,7 @@ async fn etcd_client_cert(
     };
     let key = rcgen::KeyPair::generate()?;
     let csr = rcgen::CertificateParams::new(Vec::<String>::new())?.serialize_request(&key)?.pem()?;
-    let request = keelson_api::wire::EtcdCertificateRequest { csr, common_name: Some(name.to_owned()) };
+    let request = keelson_api::wire::EtcdCertificateRequest { csr, common_name: Some(name.to_owned()), addresses: vec![] };
     let cert: keelson_api::wire::EtcdCertificate =
         client.call(Method::POST, &format!("/v1/etcd/{cluster}/client-certificates"), Some(&request)).await?;
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;

@@ -202,8 +202,10 @@ async fn members_and_clients_use_the_controllers_cluster_ca() -> R {
         let controller = keelson_agent::client::Controller::from_state(&state, std::slice::from_ref(&c.url))?;
         let pki_dir = dir.path().join(format!("{name}-pki"));
         assert!(pki::renewal_reason(&pki_dir, &[], time::OffsetDateTime::now_utc()).is_some());
-        let member_tls = pki::obtain(&controller, &pki_dir, &name.parse()?).await?;
-        assert_eq!(pki::renewal_reason(&pki_dir, &["127.0.0.1".into()], time::OffsetDateTime::now_utc()), None);
+        let member_tls = pki::obtain(&controller, &pki_dir, &name.parse()?, &["192.0.2.7".into()]).await?;
+        // The address the member advertises is named, with loopback.
+        assert_eq!(pki::renewal_reason(&pki_dir, &["127.0.0.1".into(), "192.0.2.7".into()], time::OffsetDateTime::now_utc()), None);
+        assert!(pki::renewal_reason(&pki_dir, &["192.0.2.8".into()], time::OffsetDateTime::now_utc()).is_some());
         let key_mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(pki_dir.join(pki::KEY_FILE))?.permissions());
         assert_eq!(key_mode & 0o777, 0o600);
         tls.push((pki_dir, member_tls));
@@ -230,7 +232,7 @@ async fn members_and_clients_use_the_controllers_cluster_ca() -> R {
     std::fs::create_dir_all(&state)?;
     c.enroll("worker-1", &token, &state)?;
     let worker = keelson_agent::client::Controller::from_state(&state, std::slice::from_ref(&c.url))?;
-    let refused = pki::obtain(&worker, &dir.path().join("worker-pki"), &"worker-1".parse()?).await.expect_err("refused");
+    let refused = pki::obtain(&worker, &dir.path().join("worker-pki"), &"worker-1".parse()?, &[]).await.expect_err("refused");
     assert!(refused.to_string().contains("machine worker-1 has no spec.etcd"), "{refused}");
 
     // The cluster, with TLS everywhere; the second member joins through the first, with the

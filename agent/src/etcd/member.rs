@@ -74,7 +74,7 @@ impl LocalMember<'_> {
         match pki::renewal_reason(dir, std::slice::from_ref(&address), time::OffsetDateTime::now_utc()) {
             Some(why) => {
                 tracing::info!(%why, "asking the controller for an etcd member certificate");
-                pki::obtain(self.controller, dir, self.name).await.map_err(transient)
+                pki::obtain(self.controller, dir, self.name, std::slice::from_ref(&address)).await.map_err(transient)
             }
             None => EtcdTls::from_files(&dir.join(pki::CA_FILE), &dir.join(pki::CERT_FILE), &dir.join(pki::KEY_FILE)).map_err(transient),
         }

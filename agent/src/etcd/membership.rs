@@ -123,7 +123,8 @@ impl ClusterView {
 /// cluster this returns (`name=peer,…` of the started members plus this one).
 ///
 /// etcd refuses membership changes for a few seconds after a member (re)connects
-/// (`unhealthy cluster`); those are retried until `timeout`.
+/// (`unhealthy cluster`) and while another learner is joining; those are retried until
+/// `timeout`.
 pub async fn add_learner(client: &EtcdClient, name: &str, peer_url: &str, timeout: Duration) -> Result<(Member, String), MembershipError> {
     let deadline = Instant::now() + timeout;
     let me = loop {
@@ -133,7 +134,11 @@ pub async fn add_learner(client: &EtcdClient, name: &str, peer_url: &str, timeou
         }
         match client.add_learner(&[peer_url.to_string()]).await {
             Ok(m) => break m,
-            Err(e) if e.etcd_message().is_some_and(|m| m.contains("unhealthy cluster")) && Instant::now() < deadline => {
+            // Another member is joining (etcd allows one learner at a time).
+            Err(e)
+                if e.etcd_message().is_some_and(|m| m.contains("unhealthy cluster") || m.contains("too many learner"))
+                    && Instant::now() < deadline =>
+            {
                 sleep(Duration::from_millis(POLL_INTERVAL_MS)).await;
             }
             Err(e) => return Err(e.into()),

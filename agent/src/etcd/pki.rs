@@ -80,9 +80,10 @@ pub fn renewal_reason(dir: &Path, addresses: &[String], now: time::OffsetDateTim
     None
 }
 
-/// Gets a member certificate from the controller for `name` (making the key first if there is
-/// none) and writes `ca.crt`, `member.crt` and `member.key` (0600) into `dir`.
-pub async fn obtain(controller: &Controller, dir: &Path, name: &Name) -> Result<EtcdTls, EtcdPkiError> {
+/// Gets a member certificate from the controller for `name` and the `addresses` it advertises
+/// (making the key first if there is none) and writes `ca.crt`, `member.crt` and `member.key`
+/// (0600) into `dir`.
+pub async fn obtain(controller: &Controller, dir: &Path, name: &Name, addresses: &[String]) -> Result<EtcdTls, EtcdPkiError> {
     std::fs::create_dir_all(dir).map_err(|e| file_err(dir)(e.to_string()))?;
     let key_path = dir.join(KEY_FILE);
     let key = match std::fs::read_to_string(&key_path) {
@@ -99,7 +100,7 @@ pub async fn obtain(controller: &Controller, dir: &Path, name: &Name) -> Result<
     dn.push(DnType::CommonName, name.as_str());
     params.distinguished_name = dn;
     let csr = params.serialize_request(&key)?.pem()?;
-    let issued = controller.etcd_certificate(&csr).await?;
+    let issued = controller.etcd_certificate(&csr, addresses).await?;
     for (file, content) in [(CA_FILE, &issued.ca), (CERT_FILE, &issued.certificate)] {
         let path = dir.join(file);
         write_atomic(&path, content.as_bytes(), 0o644).map_err(|e| file_err(&path)(e.to_string()))?;

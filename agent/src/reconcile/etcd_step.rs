@@ -87,6 +87,8 @@ impl Reconciler {
             }
             None => None,
         };
+        // A rollback puts the unit back too: a tarball's unit names its own binary.
+        let previous_unit = unit.and_then(|_| std::fs::read_to_string(host::UNIT).ok());
         if let Some(u) = unit {
             files::write(host::UNIT, u, 0o644, None).map_err(transient)?;
         }
@@ -115,7 +117,16 @@ impl Reconciler {
                 Ok(())
             }
             (Err(e), Some(stamps)) => {
-                let what = match crate::drivers::containerd::restore_binaries(&stamps) {
+                let restored = crate::drivers::containerd::restore_binaries(&stamps).map_err(|e| e.to_string()).and_then(|()| {
+                    match &previous_unit {
+                        Some(u) => files::write(host::UNIT, u, 0o644, None).map_err(|e| e.to_string()),
+                        None => Ok(()),
+                    }
+                });
+                if restored.is_ok() && previous_unit.is_some() {
+                    let _ = systemd::daemon_reload().await;
+                }
+                let what = match restored {
                     Ok(()) => match systemd::restart(host::UNIT_NAME).await {
                         Ok(()) => "put the previous binaries back".to_owned(),
                         Err(e) => format!("put the previous binaries back but could not restart the member: {e}"),

@@ -27,6 +27,7 @@ use crate::store::{Op, Precondition, StoreError};
 type ApiResult<T> = Result<T, ApiError>;
 
 const MAX_COMMON_NAME_BYTES: usize = 64;
+const MAX_MEMBER_ADDRESSES: usize = 16;
 
 fn pki_error(e: PkiError) -> ApiError {
     match e {
@@ -54,7 +55,16 @@ pub async fn member_certificate(
     let Some(etcd) = machine.spec.etcd else {
         return Err(ApiError::Forbidden(format!("machine {name} has no spec.etcd: it is not an etcd member")));
     };
-    let addresses = machine.status.facts.map(|f| f.addresses).unwrap_or_default();
+    if req.addresses.len() > MAX_MEMBER_ADDRESSES {
+        return Err(ApiError::invalid("addresses", format!("at most {MAX_MEMBER_ADDRESSES}")));
+    }
+    if let Some(bad) = req.addresses.iter().find(|a| a.parse::<std::net::IpAddr>().is_err()) {
+        return Err(ApiError::invalid("addresses", format!("{bad:?} is not an IP address")));
+    }
+    // The member is already inside its cluster's trust: the addresses it advertises are its
+    // own to name, with those it reported.
+    let mut addresses = machine.status.facts.map(|f| f.addresses).unwrap_or_default();
+    addresses.extend(req.addresses.iter().filter(|a| a.parse::<std::net::IpAddr>().is_ok()).cloned());
     let issued = app.etcd_pki.issue_member(&etcd.cluster, &name, &req.csr, &addresses).map_err(pki_error)?;
     let ca = app.etcd_pki.authority(&etcd.cluster).map_err(pki_error)?.cert_pem.clone();
     tracing::info!(machine = %name, cluster = %etcd.cluster, serial = %issued.serial, "issued an etcd member certificate");
