@@ -4,7 +4,7 @@ use std::fmt;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::machine::MachineSpec;
+use crate::machine::{EtcdMemberStatus, MachineSpec};
 use crate::meta::{Condition, LabelSelector, Name, ObjectMeta};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -202,6 +202,64 @@ pub struct PoolStatus {
     pub message: String,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
+    /// The etcd cluster of a pool whose template has `etcd`, as its members report it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub etcd: Option<PoolEtcdStatus>,
+}
+
+/// An etcd pool's cluster: every member its machines report, and where clients connect.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PoolEtcdStatus {
+    pub cluster: Name,
+    /// Voting members (learners excluded).
+    #[serde(default)]
+    pub voters: u32,
+    /// Voting members that answer and see a leader.
+    #[serde(default)]
+    pub healthy_voters: u32,
+    /// Voters the cluster needs to make progress: a majority of `voters`.
+    #[serde(default)]
+    pub quorum: u32,
+    /// The machine whose member leads, when one reports leading.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub leader: Option<Name>,
+    /// Client URLs of the voting members, for kube-apiserver's `--etcd-servers`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub client_endpoints: Vec<String>,
+    /// One entry per machine reporting a member of this cluster, by machine name.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub members: Vec<PoolEtcdMember>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PoolEtcdMember {
+    pub machine: Name,
+    pub member: EtcdMemberStatus,
+}
+
+impl PoolEtcdStatus {
+    /// Sums up the members that `machines` (name, reported member) report for `cluster`.
+    pub fn from_members(cluster: &Name, machines: impl IntoIterator<Item = (Name, EtcdMemberStatus)>) -> Self {
+        let mut members: Vec<PoolEtcdMember> = machines
+            .into_iter()
+            .filter(|(_, m)| &m.cluster == cluster)
+            .map(|(machine, member)| PoolEtcdMember { machine, member })
+            .collect();
+        members.sort_by(|a, b| a.machine.cmp(&b.machine));
+        let voters: Vec<&PoolEtcdMember> = members.iter().filter(|m| !m.member.learner).collect();
+        let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        Self {
+            cluster: cluster.clone(),
+            voters: count(voters.len()),
+            healthy_voters: count(voters.iter().filter(|m| m.member.healthy).count()),
+            quorum: count(voters.len() / 2 + 1),
+            leader: members.iter().find(|m| m.member.leader).map(|m| m.machine.clone()),
+            client_endpoints: voters.iter().map(|m| m.member.client_url.clone()).collect(),
+            members,
+        }
+    }
 }
 
 /// One revision of a pool's template, kept for history and undo.
@@ -219,6 +277,37 @@ pub struct PoolRevision {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn etcd_status_sums_up_the_reported_members_of_its_cluster() {
+        let name = |s: &str| s.parse::<Name>().unwrap_or_else(|e| panic!("{e:?}"));
+        let member = |cluster: &str, id: &str, leader: bool, learner: bool, healthy: bool| EtcdMemberStatus {
+            cluster: name(cluster),
+            member_id: id.into(),
+            client_url: format!("https://{id}:2379"),
+            peer_url: format!("https://{id}:2380"),
+            version: "3.5.1".into(),
+            learner,
+            leader,
+            raft_index: 7,
+            db_size_bytes: 1,
+            alarms: vec![],
+            healthy,
+            last_snapshot: None,
+        };
+        let reported = [
+            (name("m3"), member("main", "c", false, true, true)),
+            (name("m1"), member("main", "a", false, false, false)),
+            (name("m2"), member("main", "b", true, false, true)),
+            (name("x1"), member("other", "d", true, false, true)),
+        ];
+        let s = PoolEtcdStatus::from_members(&name("main"), reported);
+        assert_eq!((s.voters, s.healthy_voters, s.quorum), (2, 1, 2));
+        assert_eq!(s.leader, Some(name("m2")));
+        assert_eq!(s.client_endpoints, ["https://a:2379", "https://b:2379"], "voters only");
+        let machines: Vec<&str> = s.members.iter().map(|m| m.machine.as_str()).collect();
+        assert_eq!(machines, ["m1", "m2", "m3"], "by machine name, the other cluster left out");
+    }
 
     #[test]
     fn max_unavailable_rounds_down_and_is_at_least_one() {

@@ -96,6 +96,14 @@ enum EtcdCommand {
         #[arg(long, default_value = "kube-apiserver")]
         name: String,
     },
+    /// The members of an etcd pool's cluster as its machines report them: quorum, leader,
+    /// versions, raft indexes, database sizes, alarms, health, client endpoints.
+    Members {
+        #[arg(long)]
+        pool: String,
+        #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+        output: Format,
+    },
 }
 
 #[derive(Subcommand)]
@@ -369,6 +377,18 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Rollout { ref command } => rollout(command, connect).await?,
         Command::Etcd { command: EtcdCommand::ClientCert { ref pool, ref cluster, ref out, ref name } } => {
             etcd_client_cert(pool.as_deref(), cluster.as_deref(), out, name, connect).await?
+        }
+        Command::Etcd { command: EtcdCommand::Members { ref pool, output } } => {
+            parse_name("--pool", pool)?;
+            let client = connect()?;
+            let p: MachinePool = client.call(Method::GET, &format!("/v1/pools/{pool}"), None::<&()>).await?;
+            let Some(etcd) = p.status.etcd else {
+                bail!("pool {pool} has no etcd cluster in its status (its template has no etcd, or the controller has not summed it up yet)")
+            };
+            match output {
+                Format::Json | Format::Yaml => print!("{}", output::structured(&etcd, output)?),
+                _ => print!("{}", output::etcd_members(&etcd)),
+            }
         }
         Command::Events { ref target, output } => {
             let name = target.strip_prefix("machine/").ok_or_else(|| anyhow!("{target:?}: expected machine/NAME"))?;

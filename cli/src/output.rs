@@ -4,7 +4,7 @@ use comfy_table::presets::NOTHING;
 use comfy_table::{Cell, Table};
 use keelson_api::machine::Machine;
 use keelson_api::meta::{ConditionStatus, Timestamp, condition, find_condition};
-use keelson_api::pool::{MachinePool, PoolRevision};
+use keelson_api::pool::{MachinePool, PoolEtcdStatus, PoolRevision};
 use keelson_api::token::BootstrapToken;
 use keelson_api::wire::Event;
 use serde::Serialize;
@@ -196,6 +196,38 @@ pub fn events_table(events: &[Event]) -> String {
     t.to_string() + "\n"
 }
 
+/// An etcd pool's cluster: a summary line, the members, the client endpoints.
+pub fn etcd_members(e: &PoolEtcdStatus) -> String {
+    let leader = e.leader.as_ref().map_or("none reported".to_owned(), ToString::to_string);
+    let mut out = format!(
+        "cluster {}: {} voters, {} healthy, quorum {}, leader {leader}\n",
+        e.cluster, e.voters, e.healthy_voters, e.quorum
+    );
+    let mut t = table(&["MACHINE", "MEMBER", "VERSION", "ROLE", "HEALTHY", "RAFT-INDEX", "DB-SIZE", "ALARMS", "PEER-URL"]);
+    for m in &e.members {
+        let s = &m.member;
+        let role = match (s.leader, s.learner) {
+            (true, _) => "leader",
+            (_, true) => "learner",
+            _ => "follower",
+        };
+        t.add_row(vec![
+            m.machine.to_string(),
+            s.member_id.clone(),
+            s.version.clone(),
+            role.to_owned(),
+            s.healthy.to_string(),
+            s.raft_index.to_string(),
+            format!("{:.1} MiB", s.db_size_bytes as f64 / (1024.0 * 1024.0)),
+            if s.alarms.is_empty() { "-".to_owned() } else { s.alarms.join(",") },
+            s.peer_url.clone(),
+        ]);
+    }
+    out += &(t.to_string() + "\n");
+    out += &format!("client endpoints: {}\n", e.client_endpoints.join(","));
+    out
+}
+
 pub fn describe_machine(m: &Machine, events: &[Event]) -> anyhow::Result<String> {
     use std::fmt::Write;
     let mut out = String::new();
@@ -230,6 +262,10 @@ pub fn describe_machine(m: &Machine, events: &[Event]) -> anyhow::Result<String>
     }
     writeln!(out, "Versions:")?;
     writeln!(out, "{}", indent(serde_saphyr::to_string(&s.versions)?.trim_end()))?;
+    if let Some(e) = &s.etcd {
+        writeln!(out, "etcd member:")?;
+        writeln!(out, "{}", indent(serde_saphyr::to_string(e)?.trim_end()))?;
+    }
     if let Some(f) = &s.facts {
         writeln!(out, "Facts:")?;
         writeln!(out, "{}", indent(serde_saphyr::to_string(f)?.trim_end()))?;

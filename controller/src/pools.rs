@@ -3,9 +3,9 @@
 
 use std::collections::BTreeMap;
 
-use keelson_api::machine::Machine;
+use keelson_api::machine::{Machine, Phase};
 use keelson_api::meta::{self, ConditionStatus, Name, annotation, condition, find_condition, set_condition};
-use keelson_api::pool::{DeletionOrder, MachinePool, PoolRevision, PoolStatus};
+use keelson_api::pool::{DeletionOrder, MachinePool, PoolEtcdStatus, PoolRevision, PoolStatus};
 use keelson_api::validate::validate_spec_change;
 use sha2::Digest;
 
@@ -326,7 +326,7 @@ impl Registry {
             if decision.state != state || stored.is_none() {
                 self.store.txn(vec![Op::Put { key: state_key, value: encode(&decision.state), precondition: Precondition::None }]).await?;
             }
-            self.record_pool_status(pool, p.revision, &decision).await?;
+            self.record_pool_status(pool, p.revision, &decision, members.get(name).map(Vec::as_slice).unwrap_or_default()).await?;
             if let Some(why) = &decision.halted
                 && pool.spec.rollout.auto_undo
                 && !self.made_by_auto_undo(name, pool.status.revision).await?
@@ -401,8 +401,25 @@ impl Registry {
         }
     }
 
-    async fn record_pool_status(&self, pool: &MachinePool, stored_at: u64, d: &rollout::Decision) -> Result<(), ApiError> {
+    async fn record_pool_status(
+        &self,
+        pool: &MachinePool,
+        stored_at: u64,
+        d: &rollout::Decision,
+        members: &[&Machine],
+    ) -> Result<(), ApiError> {
         let mut status = pool.status.clone();
+        status.etcd = pool.spec.template.spec.etcd.as_ref().map(|e| {
+            PoolEtcdStatus::from_members(
+                &e.cluster,
+                members.iter().filter_map(|m| {
+                    let mut member = m.status.etcd.clone()?;
+                    // A machine that stopped reporting: its last report says nothing of now.
+                    member.healthy &= m.status.phase != Some(Phase::Unreachable);
+                    Some((m.metadata.name.clone()?, member))
+                }),
+            )
+        });
         let c = d.counts;
         status.machines = c.machines;
         status.updated = c.updated;
