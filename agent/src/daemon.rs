@@ -91,7 +91,8 @@ pub async fn run(config: AgentConfig, cancel: CancellationToken) -> anyhow::Resu
         report: report.clone(),
         cancel: cancel.clone(),
     };
-    tasks.spawn(reconcile_loop(reconciler, rotation, spec_rx, config.drift_interval, polling, cancel.clone()));
+    let intervals = Intervals { drift: config.drift_interval, etcd_refresh: config.heartbeat_interval };
+    tasks.spawn(reconcile_loop(reconciler, rotation, spec_rx, intervals, polling, cancel.clone()));
     tasks.spawn(watchdog(cancel.clone()));
     notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status("waiting for the spec")]);
 
@@ -331,11 +332,20 @@ async fn decommission(reconciler: &Reconciler, cancel: &CancellationToken) -> an
     Ok(())
 }
 
+/// How often the reconcile loop wakes between passes.
+struct Intervals {
+    /// A full pass (observe, plan, correct drift) without a new spec.
+    drift: Duration,
+    /// Re-reading the etcd member's state (raft index, leader, health) for the status, so the
+    /// pool's view of the cluster is as fresh as the heartbeat.
+    etcd_refresh: Duration,
+}
+
 async fn reconcile_loop(
     reconciler: Reconciler,
     rotation: Rotation,
     mut spec: watch::Receiver<Option<AgentSpec>>,
-    drift_every: Duration,
+    intervals: Intervals,
     polling: CancellationToken,
     cancel: CancellationToken,
 ) -> anyhow::Result<()> {
@@ -379,10 +389,16 @@ async fn reconcile_loop(
             // exit non-zero between steps so systemd starts the new one, which resumes.
             anyhow::bail!("keelson-agent was upgraded on disk; exiting so that systemd starts the new binary");
         }
-        tokio::select! {
-            r = spec.changed() => r?,
-            _ = tokio::time::sleep(drift_every) => {}
-            _ = cancel.cancelled() => return Ok(()),
+        let drift_at = tokio::time::Instant::now() + intervals.drift;
+        let mut etcd_refresh = tokio::time::interval_at(tokio::time::Instant::now() + intervals.etcd_refresh, intervals.etcd_refresh);
+        etcd_refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                r = spec.changed() => { r?; break }
+                _ = tokio::time::sleep_until(drift_at) => break,
+                _ = etcd_refresh.tick(), if current.spec.etcd.is_some() => reconciler.refresh_etcd(&current.spec).await,
+                _ = cancel.cancelled() => return Ok(()),
+            }
         }
     }
 }

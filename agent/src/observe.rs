@@ -50,6 +50,9 @@ pub struct Observed {
     pub etcd_version: Option<String>,
     /// etcd's data directory holds a member: it joined (or started) the cluster before.
     pub etcd_member: bool,
+    /// Why the member's certificate must be renewed (near its end, missing, unreadable), when
+    /// it must.
+    pub etcd_certificate_due: Option<String>,
     pub package_manager: Manager,
 }
 
@@ -141,6 +144,11 @@ pub fn observe(root: &Path, ledger: &Ledger, spec: &MachineSpec) -> Result<Obser
             .as_ref()
             .and_then(|e| crate::drivers::etcd::installed_version(root, crate::drivers::etcd::binary(e.source.url.is_some()))),
         etcd_member: spec.etcd.is_some() && crate::drivers::etcd::has_member_data(root),
+        etcd_certificate_due: spec
+            .etcd
+            .as_ref()
+            .filter(|_| crate::drivers::etcd::has_member_data(root))
+            .and_then(|_| crate::etcd::pki::renewal_reason(&root.join(crate::drivers::etcd::PKI_DIR.trim_start_matches('/')), &[], time::OffsetDateTime::now_utc())),
         package_manager: manager,
     })
 }

@@ -87,6 +87,9 @@ pub enum Action {
         version: String,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         package: Option<String>,
+        /// The package version installed before (to go back to when `version` fails).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        previous_package: Option<String>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         artifact: Option<String>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -385,11 +388,16 @@ pub fn plan(spec: &MachineSpec, observed: &Observed, ctx: &Context) -> Result<Ve
                 action: Action::FetchArtifact { url: url.to_string(), sha256: sha.clone() },
             });
         }
-        if binary_differs || unit.is_some() || env.is_some() || join {
+        // A renewed certificate is taken up by a careful restart: etcd does not reliably
+        // re-read its files for peers that connect by IP address.
+        let renew = observed.etcd_certificate_due.as_ref().filter(|_| !join);
+        if binary_differs || unit.is_some() || env.is_some() || join || renew.is_some() {
             let description = if join {
                 format!("join etcd cluster {} with etcd {version}", e.cluster)
             } else if binary_differs {
                 format!("upgrade the etcd member to {version}")
+            } else if let (Some(why), None, None) = (renew, &unit, &env) {
+                format!("renew the etcd member certificate ({why}) and restart the member")
             } else {
                 "reconfigure the etcd member and restart it".to_owned()
             };
@@ -400,6 +408,13 @@ pub fn plan(spec: &MachineSpec, observed: &Observed, ctx: &Context) -> Result<Ve
                     cluster: e.cluster.to_string(),
                     version,
                     package: e.source.package.as_ref().filter(|_| binary_differs).map(|p| p.to_string()),
+                    previous_package: e
+                        .source
+                        .package
+                        .as_ref()
+                        .filter(|_| binary_differs && !join)
+                        .and_then(|p| observed.packages.get(p.as_str()))
+                        .map(|i| i.version.clone()),
                     artifact: sha256.filter(|_| tarball && binary_differs),
                     unit,
                     env,
@@ -499,6 +514,7 @@ pub fn apply_model(observed: &Observed, steps: &[Step]) -> Observed {
                 use crate::drivers::etcd as host;
                 o.etcd_version = Some(version.clone());
                 o.etcd_member = true;
+                o.etcd_certificate_due = None;
                 for (path, content) in [(host::UNIT, unit), (host::ENV_FILE, env)] {
                     if let Some(c) = content {
                         o.files.insert(path.to_owned(), crate::observe::FileState { sha256: sha256_hex(c.as_bytes()), mode: 0o644 });
@@ -683,9 +699,35 @@ mod tests {
         // A changed address rewrites the settings and restarts the member.
         let moved = Context { etcd_address: Some([192, 168, 77, 12].into()), ..ctx.clone() };
         assert_eq!(shape(&plan(&s, &member, &moved)?), vec![(true, "reconfigure the etcd member and restart it")]);
+        // A certificate near its end: renewed, taken up by a careful restart.
+        let due = Observed { etcd_certificate_due: Some("the member certificate ends 2027-01-02".into()), ..member.clone() };
+        assert_eq!(
+            shape(&plan(&s, &due, &ctx)?),
+            vec![(true, "renew the etcd member certificate (the member certificate ends 2027-01-02) and restart the member")]
+        );
         // A member whose data is gone joins again.
         let wiped = Observed { etcd_member: false, ..member };
         assert_eq!(shape(&plan(&s, &wiped, &ctx)?), vec![(true, "join etcd cluster main with etcd 3.4.23")]);
+        Ok(())
+    }
+
+    #[test]
+    fn an_etcd_package_upgrade_remembers_the_package_to_go_back_to() -> Result<(), PlanError> {
+        let package = |version: &str| {
+            spec_from(serde_json::json!({"roles": ["etcd"], "etcd": {"cluster": "main", "version": version,
+                "source": {"package": "etcd-server"}}}))
+        };
+        let ctx = Context { name: "etcd-1".into(), etcd_address: Some([192, 168, 77, 11].into()), ..Context::default() };
+        let steps = plan(&package("3.4.23"), &machine(), &ctx)?;
+        assert!(
+            matches!(&steps[0].action, Action::Etcd { join: true, previous_package: None, .. }),
+            "a join has nothing to go back to: {steps:?}"
+        );
+        let mut member = apply_model(&machine(), &steps);
+        member.packages.insert("etcd-server".into(), Installed { version: "3.4.23-4+b4".into(), held: true });
+        let steps = plan(&package("3.5.1"), &member, &ctx)?;
+        let Action::Etcd { package, previous_package, join: false, .. } = &steps[0].action else { panic!("{steps:?}") };
+        assert_eq!((package.as_deref(), previous_package.as_deref()), (Some("etcd-server"), Some("3.4.23-4+b4")));
         Ok(())
     }
 
@@ -835,6 +877,7 @@ mod tests {
                 runtime_artifact,
                 etcd_version: None,
                 etcd_member: false,
+                etcd_certificate_due: None,
                 package_manager: Default::default(),
             })
     }

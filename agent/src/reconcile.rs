@@ -134,6 +134,12 @@ pub struct Reconciler {
     pub cancel: CancellationToken,
 }
 
+/// Runs blocking work (unpacking a release) on tokio's blocking threads: the agent has one
+/// runtime thread, and its heartbeats, watchdog and spec long-poll must go on meanwhile.
+async fn off_runtime<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> Result<T, StepError> {
+    tokio::task::spawn_blocking(work).await.map_err(|e| transient(format!("blocking task ended abnormally: {e}")))
+}
+
 #[derive(Debug, thiserror::Error)]
 enum StepError {
     /// Retrying cannot help (a version the repositories lack): fail at once.
@@ -168,6 +174,16 @@ impl Reconciler {
 
     fn packages() -> Result<Manager, StepError> {
         Manager::detect(&Self::root()).ok_or_else(|| StepError::Permanent("no dpkg or rpm database on this machine".into()))
+    }
+
+    /// The newest version of `package` that is release `version` of `component`; when there is
+    /// none, a permanent error that says what the repositories offer.
+    async fn newest_of_release(pm: Manager, package: &str, component: &str, version: &str) -> Result<String, StepError> {
+        let (chosen, offered) = pm.newest_of_release(package, version).await?;
+        chosen.ok_or_else(|| {
+            let offered = if offered.is_empty() { "none".to_owned() } else { offered.join(", ") };
+            StepError::Permanent(format!("apt: no version of {package} for {component} {version} (the repositories offer: {offered})"))
+        })
     }
 
     fn set_phase(&self, phase: Phase, generation: u64) {
@@ -474,8 +490,13 @@ impl Reconciler {
             Action::Kubelet { artifact: digest, version, unit, dropin, package: None, .. } => {
                 self.kubelet_step(digest.as_deref(), version, unit.as_deref(), dropin.as_deref()).await?
             }
-            Action::Etcd { cluster, version, package, artifact, unit, env, join } => {
-                self.etcd_step(cluster, version, package.as_deref(), artifact.as_deref(), unit.as_deref(), env.as_deref(), *join).await?
+            Action::Etcd { cluster, version, package, previous_package, artifact, unit, env, join } => {
+                let source = match (package, artifact) {
+                    (Some(name), _) => Some(etcd_step::Source::Package { name, previous: previous_package.as_deref() }),
+                    (None, Some(sha256)) => Some(etcd_step::Source::Tarball { sha256 }),
+                    (None, None) => None,
+                };
+                self.etcd_step(cluster, version, source, unit.as_deref(), env.as_deref(), *join).await?
             }
             Action::Script { name, when, run, env, timeout_seconds } => {
                 self.script_step(journal.generation, name, *when, run, env, *timeout_seconds).await?
@@ -537,10 +558,12 @@ impl Reconciler {
                 if !cached.exists() {
                     return Err(transient(format!("artifact {} is not in the cache (fetch it first)", a.sha256)));
                 }
-                let stamps = containerd::install_tarball(&cached, std::path::Path::new(containerd::BIN_DIR)).map_err(|e| match e {
-                    containerd::TarballError::Invalid { .. } => StepError::Permanent(e.to_string()),
-                    other => transient(other),
-                })?;
+                let stamps = off_runtime(move || containerd::install_tarball(&cached, std::path::Path::new(containerd::BIN_DIR)))
+                    .await?
+                    .map_err(|e| match e {
+                        containerd::TarballError::Invalid { .. } => StepError::Permanent(e.to_string()),
+                        other => transient(other),
+                    })?;
                 Some((a, stamps))
             }
             None => None,
@@ -674,13 +697,7 @@ impl Reconciler {
     async fn kubelet_package_step(&self, package: &str, version: &str, previous_package: Option<&str>) -> Result<(), StepError> {
         let pm = Self::packages()?;
         pm.update().await?;
-        let (chosen, offered) = pm.newest_of_release(package, version).await?;
-        let Some(chosen) = chosen else {
-            let offered = if offered.is_empty() { "none".to_owned() } else { offered.join(", ") };
-            return Err(StepError::Permanent(format!(
-                "apt: no version of {package} for kubelet {version} (the repositories offer: {offered})"
-            )));
-        };
+        let chosen = Self::newest_of_release(pm, package, "kubelet", version).await?;
         let pin = plan::Pin { name: package.to_owned(), version: chosen.clone() };
         pm.install(std::slice::from_ref(&pin)).await?;
         pm.hold(&[package.to_owned()]).await?;

@@ -63,7 +63,12 @@ pub async fn fetch(state_dir: &Path, url: &url::Url, sha256: &str, ca_pem: Optio
     let cache_err = |message: String| ArtifactError::Cache { path: dir.clone(), message };
     if target.exists() {
         let bytes = tokio::fs::read(&target).await.map_err(|e| cache_err(e.to_string()))?;
-        if hex::encode(Sha256::digest(&bytes)) == sha256 {
+        // Off the agent's one runtime thread: hashing a large release must not hold up its
+        // heartbeats and watchdog.
+        let digest = tokio::task::spawn_blocking(move || hex::encode(Sha256::digest(&bytes)))
+            .await
+            .map_err(|e| cache_err(format!("hashing the cached file: {e}")))?;
+        if digest == sha256 {
             return Ok(target);
         }
         // A cached file that no longer matches is not trusted.

@@ -2,12 +2,12 @@
 //! restarted with the cluster's safety checks (see `crate::etcd::member`). A new binary that
 //! does not come back healthy and caught up is replaced by the previous one.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use keelson_api::machine::MachineSpec;
 use keelson_api::meta::Name;
 
-use super::{Reconciler, StepError, transient};
+use super::{Reconciler, StepError, off_runtime, transient};
 use crate::drivers::{artifact, etcd as host, files, systemd};
 use crate::etcd::client::{EtcdClient, EtcdTls};
 use crate::etcd::member::{LocalMember, MemberError};
@@ -29,6 +29,23 @@ fn tls_on_disk() -> Option<EtcdTls> {
     EtcdTls::from_files(&dir.join(pki::CA_FILE), &dir.join(pki::CERT_FILE), &dir.join(pki::KEY_FILE)).ok()
 }
 
+/// Where a member's new binary comes from.
+pub(super) enum Source<'a> {
+    /// A distribution package (held), with the version installed before, if any.
+    Package { name: &'a str, previous: Option<&'a str> },
+    /// A release tarball already in the artifact cache.
+    Tarball { sha256: &'a str },
+}
+
+/// How to go back to the binary that ran before a failed change.
+enum Undo {
+    Nothing,
+    /// The tarball's binaries, each kept beside the new one.
+    Binaries(std::collections::BTreeMap<String, crate::ledger::FileStamp>),
+    /// The package version installed before.
+    Package(Pin),
+}
+
 impl Reconciler {
     fn local_member<'a>(&'a self, cluster: &'a Name) -> Result<LocalMember<'a>, StepError> {
         let address = self.etcd_address.ok_or_else(|| {
@@ -37,13 +54,11 @@ impl Reconciler {
         Ok(LocalMember { name: &self.name, cluster, address, state_dir: &self.state_dir, controller: &self.controller })
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(super) async fn etcd_step(
         &self,
         cluster: &str,
         version: &str,
-        package: Option<&str>,
-        artifact_sha: Option<&str>,
+        source: Option<Source<'_>>,
         unit: Option<&str>,
         env: Option<&str>,
         join: bool,
@@ -55,37 +70,17 @@ impl Reconciler {
         let local = EtcdClient::new(vec![local_url.clone()], Some(&tls)).map_err(transient)?;
 
         let mut snapshot = None;
+        let began = Instant::now();
         if !join && systemd::is_active(host::UNIT_NAME).await {
             let (path, size) = member.prepare_restart(&local).await.map_err(member_err)?;
             self.report.event("Normal", "EtcdSnapshot", format!("{} ({size} bytes), taken before the member changes", path.display()));
             snapshot = Some(format!("{} ({size} bytes)", path.display()));
         }
 
-        if let Some(p) = package {
-            // Before the package is there, so that its own unit never starts a stray member.
-            systemd::mask(host::PACKAGE_UNIT).await.map_err(transient)?;
-            let pm = Self::packages()?;
-            pm.update().await?;
-            let (chosen, offered) = pm.newest_of_release(p, version).await?;
-            let Some(chosen) = chosen else {
-                let offered = if offered.is_empty() { "none".to_owned() } else { offered.join(", ") };
-                return Err(StepError::Permanent(format!("apt: no version of {p} for etcd {version} (the repositories offer: {offered})")));
-            };
-            pm.install(&[Pin { name: p.to_owned(), version: chosen }]).await?;
-            pm.hold(&[p.to_owned()]).await?;
-        }
-        let installed = match artifact_sha {
-            Some(sha) => {
-                let cached = artifact::cached(&self.state_dir, sha);
-                if !cached.exists() {
-                    return Err(transient(format!("artifact {sha} is not in the cache (fetch it first)")));
-                }
-                Some(host::install_tarball(&cached, std::path::Path::new(host::TARBALL_BIN_DIR)).map_err(|e| match e {
-                    crate::drivers::containerd::TarballError::Invalid { .. } => StepError::Permanent(e.to_string()),
-                    other => transient(other),
-                })?)
-            }
-            None => None,
+        let prepared = began.elapsed();
+        let undo = match source {
+            Some(source) => self.install_etcd(version, source).await?,
+            None => Undo::Nothing,
         };
         // A rollback puts the unit back too: a tarball's unit names its own binary.
         let previous_unit = unit.and_then(|_| std::fs::read_to_string(host::UNIT).ok());
@@ -97,6 +92,8 @@ impl Reconciler {
         }
         systemd::daemon_reload_enable(host::UNIT_NAME).await.map_err(transient)?;
 
+        let installed = began.elapsed() - prepared;
+        let restarted = Instant::now();
         let result = if join {
             member.join(&tls).await
         } else {
@@ -106,40 +103,104 @@ impl Reconciler {
                 if status.version.trim_start_matches('v') != version {
                     return Err(MemberError::Permanent(format!("the member serves etcd {}, not {version}", status.version)));
                 }
+                // What an upgrade costs, by phase (docs/benchmarks.md reads these).
+                self.report.event(
+                    "Normal",
+                    "EtcdRestarted",
+                    format!(
+                        "etcd {version} healthy and caught up at raft index {}: checks, snapshot and leader move {:.1}s, \
+                         install {:.1}s, restart to caught up {:.1}s",
+                        status.raft_applied_index,
+                        prepared.as_secs_f64(),
+                        installed.as_secs_f64(),
+                        restarted.elapsed().as_secs_f64()
+                    ),
+                );
                 Ok(())
             }
             .await
         };
-        match (result, installed) {
-            (Ok(()), _) => {
+        let e = match result {
+            Ok(()) => {
                 let status = member.status(&tls, snapshot).await;
                 self.report.update(|s| s.etcd = status);
-                Ok(())
+                return Ok(());
             }
-            (Err(e), Some(stamps)) => {
-                let restored = crate::drivers::containerd::restore_binaries(&stamps).map_err(|e| e.to_string()).and_then(|()| {
-                    match &previous_unit {
-                        Some(u) => files::write(host::UNIT, u, 0o644, None).map_err(|e| e.to_string()),
-                        None => Ok(()),
-                    }
-                });
-                if restored.is_ok() && previous_unit.is_some() {
-                    let _ = systemd::daemon_reload().await;
+            Err(e) => e,
+        };
+        if matches!(undo, Undo::Nothing) {
+            return Err(member_err(e));
+        }
+        let what = self.undo_etcd(undo, previous_unit.as_deref()).await;
+        Err(StepError::Permanent(format!("etcd {version} did not come back healthy and caught up ({e}); {what}")))
+    }
+
+    /// Installs `version` from its source; returns how to go back to what ran before.
+    async fn install_etcd(&self, version: &str, source: Source<'_>) -> Result<Undo, StepError> {
+        match source {
+            Source::Package { name, previous } => {
+                // Before the package is there, so that its own unit never starts a stray member.
+                systemd::mask(host::PACKAGE_UNIT).await.map_err(transient)?;
+                let pm = Self::packages()?;
+                pm.update().await?;
+                let chosen = Self::newest_of_release(pm, name, "etcd", version).await?;
+                pm.install(&[Pin { name: name.to_owned(), version: chosen }]).await?;
+                pm.hold(&[name.to_owned()]).await?;
+                Ok(previous.map_or(Undo::Nothing, |v| Undo::Package(Pin { name: name.to_owned(), version: v.to_owned() })))
+            }
+            Source::Tarball { sha256 } => {
+                let cached = artifact::cached(&self.state_dir, sha256);
+                if !cached.exists() {
+                    return Err(transient(format!("artifact {sha256} is not in the cache (fetch it first)")));
                 }
-                let what = match restored {
-                    Ok(()) => match systemd::restart(host::UNIT_NAME).await {
-                        Ok(()) => "put the previous binaries back".to_owned(),
-                        Err(e) => format!("put the previous binaries back but could not restart the member: {e}"),
-                    },
-                    Err(e) => format!("putting the previous binaries back failed: {e}"),
-                };
-                Err(StepError::Permanent(format!("etcd {version} did not come back healthy and caught up ({e}); {what}")))
+                let stamps = off_runtime(move || host::install_tarball(&cached, std::path::Path::new(host::TARBALL_BIN_DIR)))
+                    .await?
+                    .map_err(|e| match e {
+                        crate::drivers::containerd::TarballError::Invalid { .. } => StepError::Permanent(e.to_string()),
+                        other => transient(other),
+                    })?;
+                Ok(Undo::Binaries(stamps))
             }
-            (Err(e), None) => Err(member_err(e)),
         }
     }
 
-    /// Re-reads the member's state for the status (after a pass and at each drift check).
+    /// Puts the previous binary (and unit) back and restarts the member on it; says what it did.
+    async fn undo_etcd(&self, undo: Undo, previous_unit: Option<&str>) -> String {
+        let restored = match &undo {
+            Undo::Nothing => return "there was nothing to roll back to".to_owned(),
+            Undo::Binaries(stamps) => crate::drivers::containerd::restore_binaries(stamps).map_err(|e| e.to_string()),
+            Undo::Package(pin) => match Self::packages() {
+                Ok(pm) => async {
+                    pm.ensure_available(std::slice::from_ref(pin)).await?;
+                    pm.install(std::slice::from_ref(pin)).await
+                }
+                .await
+                .map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            },
+        };
+        let restored = restored.and_then(|()| match previous_unit {
+            Some(u) => files::write(host::UNIT, u, 0o644, None).map_err(|e| e.to_string()),
+            None => Ok(()),
+        });
+        if restored.is_ok() && previous_unit.is_some() {
+            let _ = systemd::daemon_reload().await;
+        }
+        let previous = match &undo {
+            Undo::Package(pin) => format!("{} {}", pin.name, pin.version),
+            _ => "the previous binaries".to_owned(),
+        };
+        match restored {
+            Ok(()) => match systemd::restart(host::UNIT_NAME).await {
+                Ok(()) => format!("put {previous} back"),
+                Err(e) => format!("put {previous} back but could not restart the member: {e}"),
+            },
+            Err(e) => format!("putting {previous} back failed: {e}"),
+        }
+    }
+
+    /// Re-reads the member's state for the status (after a pass and every heartbeat between
+    /// passes).
     pub async fn refresh_etcd(&self, spec: &MachineSpec) {
         let Some(e) = &spec.etcd else {
             self.report.update_quietly(|s| s.etcd = None);
