@@ -261,7 +261,17 @@ async fn members_and_clients_use_the_controllers_cluster_ca() -> R {
     let second = ask(dir.path().join("etcd-2-agent")).await?;
     assert_eq!((second.initialize, second.client_urls.clone()), (false, vec![members[0].client_url.clone()]));
     let first = ask(dir.path().join("etcd-1-agent")).await?;
-    assert!(!first.initialize || first.client_urls.is_empty(), "{first:?}");
+    assert_eq!((first.initialize, first.client_urls.clone()), (true, vec![]), "no other member is reported yet");
+
+    // Once etcd-2 reports too, even the machine that started the cluster joins through it (its
+    // data could be gone: it must not start a second cluster).
+    let etcd2 = c.machine_client(&dir.path().join("etcd-2-agent"))?;
+    report["etcd"] =
+        json!({"cluster": "main", "memberId": "2", "clientUrl": members[1].client_url, "peerUrl": members[1].peer_url, "version": "3.5.1"});
+    let put = etcd2.put("/v1/agent/status", &report).await?;
+    assert_eq!(put.status, 204, "{}", put.text);
+    let first = ask(dir.path().join("etcd-1-agent")).await?;
+    assert_eq!((first.initialize, first.client_urls.clone()), (false, vec![members[1].client_url.clone()]));
 
     // The operator's client certificate.
     let out = dir.path().join("apiserver-etcd");

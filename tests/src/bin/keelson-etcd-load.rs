@@ -1,9 +1,11 @@
 //! keelson-etcd-load: the client the etcd VM scenario runs on the build machine while keelson
-//! changes the cluster. It writes a key every `--interval-ms` through any member that answers,
-//! checks every second how many members report themselves healthy, and when `--stop-file`
-//! appears reads every key back. The last line is a JSON summary: writes acknowledged and
-//! failed, acknowledged writes missing at the end, the longest run of failed writes, and the
-//! seconds in which fewer than a majority of members were healthy.
+//! changes the cluster. It writes a key every `--interval-ms` (or right after the previous
+//! write is answered, when that takes longer) through any member that answers, checks every
+//! second, on its own, how many members report themselves healthy, and when `--stop-file`
+//! appears reads every key back. The last line is a JSON summary: writes attempted,
+//! acknowledged and failed, acknowledged writes missing at the end, the longest run of failed
+//! writes, write latency, and the seconds in which fewer than a majority of members were
+//! healthy.
 
 use std::collections::HashSet;
 use std::path::PathBuf;
@@ -42,61 +44,109 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let tls = EtcdTls::from_files(&args.ca, &args.cert, &args.key)?;
     let client = EtcdClient::new(args.endpoints.clone(), Some(&tls))?;
-    let majority = args.endpoints.len() / 2 + 1;
-
     let started = Instant::now();
-    let (mut acked, mut failed, mut run, mut longest_run) = (Vec::new(), 0u64, 0u64, 0u64);
-    let (mut checks, mut without_quorum) = (0u64, Vec::new());
-    let mut next_check = Instant::now();
-    let mut last_error = String::new();
+
+    // Health: every second, on its own, so that slow writes never space the checks out.
+    let (stop, stopped) = tokio::sync::oneshot::channel();
+    let health = tokio::spawn(watch_health(client.clone(), args.endpoints.clone(), started, stopped));
+
+    // Writes: one at a time, each started an interval after the one before, or as soon as the
+    // one before is answered when that takes longer. (Sending on a fixed clock regardless
+    // would pile writes up on guests that answer slower than the clock, as emulated VMs do,
+    // until they collapse; a client that waits is also what a kube-apiserver's writes look
+    // like to a member.)
+    let mut tick = tokio::time::interval(Duration::from_millis(args.interval_ms));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut outcomes = Outcomes::default();
     let mut i = 0u64;
     while !args.stop_file.exists() {
+        tick.tick().await;
         let key = format!("{}{i:08}", args.prefix);
-        match client.put(&key, &i.to_string()).await {
-            Ok(_) => {
-                acked.push(key);
-                run = 0;
-            }
-            Err(e) => {
-                failed += 1;
-                run += 1;
-                longest_run = longest_run.max(run);
-                last_error = e.to_string();
-            }
-        }
         i += 1;
-        if Instant::now() >= next_check {
-            next_check += Duration::from_secs(1);
-            checks += 1;
-            let mut healthy = 0;
-            for e in &args.endpoints {
-                if client.healthy(e).await {
-                    healthy += 1;
-                }
-            }
-            if healthy < majority {
-                without_quorum.push(format!("{:.0}s: {healthy} of {} healthy", started.elapsed().as_secs_f64(), args.endpoints.len()));
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(args.interval_ms)).await;
+        let sent = Instant::now();
+        let result = client.put(&key, &key).await.map(|_| ()).map_err(|e| e.to_string());
+        outcomes.record(key, result, sent.elapsed());
     }
+    let _ = stop.send(());
+    let (checks, without_quorum) = health.await?;
 
     let stored: HashSet<String> =
         client.get_prefix(&args.prefix).await.context("reading the keys back")?.into_iter().map(|(k, _)| k).collect();
-    let lost: Vec<&String> = acked.iter().filter(|k| !stored.contains(*k)).collect();
+    let lost: Vec<&String> = outcomes.acked.iter().filter(|k| !stored.contains(*k)).collect();
+    outcomes.latencies.sort();
+    let quantile = |q: f64| {
+        let l = &outcomes.latencies;
+        l.get(((l.len() as f64 * q) as usize).min(l.len().saturating_sub(1))).map_or(0, |d| d.as_millis())
+    };
     println!(
         "{}",
         json!({
             "seconds": started.elapsed().as_secs(),
-            "acknowledged": acked.len(),
-            "failed": failed,
-            "longest_failed_run": longest_run,
+            "attempted": i,
+            "acknowledged": outcomes.acked.len(),
+            "failed": outcomes.failed,
+            "longest_failed_run": outcomes.longest_run,
             "lost": lost.len(),
             "lost_keys": lost.iter().take(10).collect::<Vec<_>>(),
+            "write_p50_ms": quantile(0.5),
+            "write_p99_ms": quantile(0.99),
             "health_checks": checks,
             "without_quorum": without_quorum,
-            "last_error": last_error,
+            "last_error": outcomes.last_error,
         })
     );
     Ok(())
+}
+
+#[derive(Default)]
+struct Outcomes {
+    acked: Vec<String>,
+    latencies: Vec<Duration>,
+    failed: u64,
+    run: u64,
+    longest_run: u64,
+    last_error: String,
+}
+
+impl Outcomes {
+    fn record(&mut self, key: String, result: Result<(), String>, took: Duration) {
+        match result {
+            Ok(()) => {
+                self.acked.push(key);
+                self.latencies.push(took);
+                self.run = 0;
+            }
+            Err(e) => {
+                self.failed += 1;
+                self.run += 1;
+                self.longest_run = self.longest_run.max(self.run);
+                self.last_error = e;
+            }
+        }
+    }
+}
+
+/// Counts, every second until `stop`, the members that report themselves healthy; returns the
+/// checks made and the moments fewer than a majority were.
+async fn watch_health(
+    client: EtcdClient,
+    endpoints: Vec<String>,
+    started: Instant,
+    mut stop: tokio::sync::oneshot::Receiver<()>,
+) -> (u64, Vec<String>) {
+    let majority = endpoints.len() / 2 + 1;
+    let (mut checks, mut without_quorum) = (0u64, Vec::new());
+    let mut every_second = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            _ = every_second.tick() => {}
+            _ = &mut stop => return (checks, without_quorum),
+        }
+        checks += 1;
+        let answers = futures_util::future::join_all(endpoints.iter().map(|e| client.healthy(e))).await;
+        let healthy = answers.into_iter().filter(|h| *h).count();
+        if healthy < majority {
+            without_quorum.push(format!("{:.0}s: {healthy} of {} healthy", started.elapsed().as_secs_f64(), endpoints.len()));
+        }
+    }
 }
