@@ -144,11 +144,13 @@ pub fn observe(root: &Path, ledger: &Ledger, spec: &MachineSpec) -> Result<Obser
             .as_ref()
             .and_then(|e| crate::drivers::etcd::installed_version(root, crate::drivers::etcd::binary(e.source.url.is_some()))),
         etcd_member: spec.etcd.is_some() && crate::drivers::etcd::has_member_data(root),
-        etcd_certificate_due: spec
-            .etcd
-            .as_ref()
-            .filter(|_| crate::drivers::etcd::has_member_data(root))
-            .and_then(|_| crate::etcd::pki::renewal_reason(&root.join(crate::drivers::etcd::PKI_DIR.trim_start_matches('/')), &[], time::OffsetDateTime::now_utc())),
+        etcd_certificate_due: spec.etcd.as_ref().filter(|_| crate::drivers::etcd::has_member_data(root)).and_then(|_| {
+            crate::etcd::pki::renewal_reason(
+                &root.join(crate::drivers::etcd::PKI_DIR.trim_start_matches('/')),
+                &[],
+                time::OffsetDateTime::now_utc(),
+            )
+        }),
         package_manager: manager,
     })
 }

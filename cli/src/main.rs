@@ -383,7 +383,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let client = connect()?;
             let p: MachinePool = client.call(Method::GET, &format!("/v1/pools/{pool}"), None::<&()>).await?;
             let Some(etcd) = p.status.etcd else {
-                bail!("pool {pool} has no etcd cluster in its status (its template has no etcd, or the controller has not summed it up yet)")
+                bail!(
+                    "pool {pool} has no etcd cluster in its status (its template has no etcd, or the controller has not summed it up yet)"
+                )
             };
             match output {
                 Format::Json | Format::Yaml => print!("{}", output::structured(&etcd, output)?),

@@ -199,10 +199,8 @@ pub fn events_table(events: &[Event]) -> String {
 /// An etcd pool's cluster: a summary line, the members, the client endpoints.
 pub fn etcd_members(e: &PoolEtcdStatus) -> String {
     let leader = e.leader.as_ref().map_or("none reported".to_owned(), ToString::to_string);
-    let mut out = format!(
-        "cluster {}: {} voters, {} healthy, quorum {}, leader {leader}\n",
-        e.cluster, e.voters, e.healthy_voters, e.quorum
-    );
+    let mut out =
+        format!("cluster {}: {} voters, {} healthy, quorum {}, leader {leader}\n", e.cluster, e.voters, e.healthy_voters, e.quorum);
     let mut t = table(&["MACHINE", "MEMBER", "VERSION", "ROLE", "HEALTHY", "RAFT-INDEX", "DB-SIZE", "ALARMS", "PEER-URL"]);
     for m in &e.members {
         let s = &m.member;

@@ -1,11 +1,12 @@
 //! keelson-etcd-load: the client the etcd VM scenario runs on the build machine while keelson
 //! changes the cluster. It writes a key every `--interval-ms` (or right after the previous
 //! write is answered, when that takes longer) through any member that answers, checks every
-//! second, on its own, how many members report themselves healthy, and when `--stop-file`
-//! appears reads every key back. The last line is a JSON summary: writes attempted,
-//! acknowledged and failed, acknowledged writes missing at the end, the longest run of failed
-//! writes, write latency, and the seconds in which fewer than a majority of members were
-//! healthy.
+//! second, on its own, how many members report themselves healthy (probing again within the
+//! second when fewer than a majority do: a planned leader change makes `/health` false for a
+//! moment with every member up), and when `--stop-file` appears reads every key back. The
+//! last line is a JSON summary: writes attempted, acknowledged and failed, acknowledged writes
+//! missing at the end, the longest run of failed writes, write latency, the seconds in which
+//! no probe found a healthy majority, and the seconds in which only a later probe did.
 
 use std::collections::HashSet;
 use std::path::PathBuf;
@@ -68,7 +69,7 @@ async fn main() -> anyhow::Result<()> {
         outcomes.record(key, result, sent.elapsed());
     }
     let _ = stop.send(());
-    let (checks, without_quorum) = health.await?;
+    let health = health.await?;
 
     let stored: HashSet<String> =
         client.get_prefix(&args.prefix).await.context("reading the keys back")?.into_iter().map(|(k, _)| k).collect();
@@ -90,8 +91,9 @@ async fn main() -> anyhow::Result<()> {
             "lost_keys": lost.iter().take(10).collect::<Vec<_>>(),
             "write_p50_ms": quantile(0.5),
             "write_p99_ms": quantile(0.99),
-            "health_checks": checks,
-            "without_quorum": without_quorum,
+            "health_checks": health.checks,
+            "without_quorum": health.without_quorum,
+            "brief_dips": health.brief_dips,
             "last_error": outcomes.last_error,
         })
     );
@@ -126,27 +128,58 @@ impl Outcomes {
     }
 }
 
-/// Counts, every second until `stop`, the members that report themselves healthy; returns the
-/// checks made and the moments fewer than a majority were.
+/// How often within one second the members are probed again when fewer than a majority
+/// answer healthy, and how far apart.
+const PROBES_PER_SECOND: usize = 3;
+const PROBE_GAP: Duration = Duration::from_millis(300);
+
+/// What the health checks saw.
+#[derive(Default)]
+struct Health {
+    checks: u64,
+    /// Seconds in which no probe found a majority of members healthy: quorum lost.
+    without_quorum: Vec<String>,
+    /// Seconds in which the first probe found fewer than a majority but a later one found a
+    /// majority: etcd answers `/health` false while a leader is elected, which a planned
+    /// leadership transfer causes for a few hundred milliseconds with every member up.
+    brief_dips: Vec<String>,
+}
+
+/// Every second until `stop`, counts the members that report themselves healthy, probing up
+/// to `PROBES_PER_SECOND` times when fewer than a majority do.
 async fn watch_health(
     client: EtcdClient,
     endpoints: Vec<String>,
     started: Instant,
     mut stop: tokio::sync::oneshot::Receiver<()>,
-) -> (u64, Vec<String>) {
+) -> Health {
     let majority = endpoints.len() / 2 + 1;
-    let (mut checks, mut without_quorum) = (0u64, Vec::new());
+    let mut health = Health::default();
     let mut every_second = tokio::time::interval(Duration::from_secs(1));
+    every_second.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             _ = every_second.tick() => {}
-            _ = &mut stop => return (checks, without_quorum),
+            _ = &mut stop => return health,
         }
-        checks += 1;
-        let answers = futures_util::future::join_all(endpoints.iter().map(|e| client.healthy(e))).await;
-        let healthy = answers.into_iter().filter(|h| *h).count();
-        if healthy < majority {
-            without_quorum.push(format!("{:.0}s: {healthy} of {} healthy", started.elapsed().as_secs_f64(), endpoints.len()));
+        health.checks += 1;
+        let at = started.elapsed().as_secs_f64();
+        let mut seen = Vec::new();
+        for probe in 0..PROBES_PER_SECOND {
+            if probe > 0 {
+                tokio::time::sleep(PROBE_GAP).await;
+            }
+            let answers = futures_util::future::join_all(endpoints.iter().map(|e| client.healthy(e))).await;
+            seen.push(answers.into_iter().filter(|h| *h).count());
+            if seen[probe] >= majority {
+                break;
+            }
+        }
+        let counts = seen.iter().map(ToString::to_string).collect::<Vec<_>>().join(", then ");
+        if seen.iter().all(|&n| n < majority) {
+            health.without_quorum.push(format!("{at:.0}s: {counts} of {} healthy", endpoints.len()));
+        } else if seen.len() > 1 {
+            health.brief_dips.push(format!("{at:.0}s: {counts} of {} healthy", endpoints.len()));
         }
     }
 }
