@@ -149,6 +149,16 @@ enum StepError {
     Transient(String),
 }
 
+/// A release that is not what it should be fails at once; trouble writing it is retried.
+impl From<containerd::TarballError> for StepError {
+    fn from(e: containerd::TarballError) -> Self {
+        match e {
+            containerd::TarballError::Invalid { .. } => StepError::Permanent(e.to_string()),
+            other => transient(other),
+        }
+    }
+}
+
 impl From<PackageError> for StepError {
     fn from(e: PackageError) -> Self {
         match e {
@@ -558,12 +568,7 @@ impl Reconciler {
                 if !cached.exists() {
                     return Err(transient(format!("artifact {} is not in the cache (fetch it first)", a.sha256)));
                 }
-                let stamps = off_runtime(move || containerd::install_tarball(&cached, std::path::Path::new(containerd::BIN_DIR)))
-                    .await?
-                    .map_err(|e| match e {
-                        containerd::TarballError::Invalid { .. } => StepError::Permanent(e.to_string()),
-                        other => transient(other),
-                    })?;
+                let stamps = off_runtime(move || containerd::install_tarball(&cached, std::path::Path::new(containerd::BIN_DIR))).await??;
                 Some((a, stamps))
             }
             None => None,

@@ -39,7 +39,6 @@ pub(super) enum Source<'a> {
 
 /// How to go back to the binary that ran before a failed change.
 enum Undo {
-    Nothing,
     /// The tarball's binaries, each kept beside the new one.
     Binaries(std::collections::BTreeMap<String, crate::ledger::FileStamp>),
     /// The package version installed before.
@@ -80,7 +79,7 @@ impl Reconciler {
         let prepared = began.elapsed();
         let undo = match source {
             Some(source) => self.install_etcd(version, source).await?,
-            None => Undo::Nothing,
+            None => None,
         };
         // A rollback puts the unit back too: a tarball's unit names its own binary.
         let previous_unit = unit.and_then(|_| std::fs::read_to_string(host::UNIT).ok());
@@ -128,15 +127,14 @@ impl Reconciler {
             }
             Err(e) => e,
         };
-        if matches!(undo, Undo::Nothing) {
-            return Err(member_err(e));
-        }
+        let Some(undo) = undo else { return Err(member_err(e)) };
         let what = self.undo_etcd(undo, previous_unit.as_deref()).await;
         Err(StepError::Permanent(format!("etcd {version} did not come back healthy and caught up ({e}); {what}")))
     }
 
-    /// Installs `version` from its source; returns how to go back to what ran before.
-    async fn install_etcd(&self, version: &str, source: Source<'_>) -> Result<Undo, StepError> {
+    /// Installs `version` from its source; returns how to go back to what ran before, when
+    /// there is something to go back to.
+    async fn install_etcd(&self, version: &str, source: Source<'_>) -> Result<Option<Undo>, StepError> {
         match source {
             Source::Package { name, previous } => {
                 // Before the package is there, so that its own unit never starts a stray member.
@@ -146,20 +144,15 @@ impl Reconciler {
                 let chosen = Self::newest_of_release(pm, name, "etcd", version).await?;
                 pm.install(&[Pin { name: name.to_owned(), version: chosen }]).await?;
                 pm.hold(&[name.to_owned()]).await?;
-                Ok(previous.map_or(Undo::Nothing, |v| Undo::Package(Pin { name: name.to_owned(), version: v.to_owned() })))
+                Ok(previous.map(|v| Undo::Package(Pin { name: name.to_owned(), version: v.to_owned() })))
             }
             Source::Tarball { sha256 } => {
                 let cached = artifact::cached(&self.state_dir, sha256);
                 if !cached.exists() {
                     return Err(transient(format!("artifact {sha256} is not in the cache (fetch it first)")));
                 }
-                let stamps = off_runtime(move || host::install_tarball(&cached, std::path::Path::new(host::TARBALL_BIN_DIR)))
-                    .await?
-                    .map_err(|e| match e {
-                        crate::drivers::containerd::TarballError::Invalid { .. } => StepError::Permanent(e.to_string()),
-                        other => transient(other),
-                    })?;
-                Ok(Undo::Binaries(stamps))
+                let stamps = off_runtime(move || host::install_tarball(&cached, std::path::Path::new(host::TARBALL_BIN_DIR))).await??;
+                Ok(Some(Undo::Binaries(stamps)))
             }
         }
     }
@@ -167,7 +160,6 @@ impl Reconciler {
     /// Puts the previous binary (and unit) back and restarts the member on it; says what it did.
     async fn undo_etcd(&self, undo: Undo, previous_unit: Option<&str>) -> String {
         let restored = match &undo {
-            Undo::Nothing => return "there was nothing to roll back to".to_owned(),
             Undo::Binaries(stamps) => crate::drivers::containerd::restore_binaries(stamps).map_err(|e| e.to_string()),
             Undo::Package(pin) => match Self::packages() {
                 Ok(pm) => async {
@@ -188,7 +180,7 @@ impl Reconciler {
         }
         let previous = match &undo {
             Undo::Package(pin) => format!("{} {}", pin.name, pin.version),
-            _ => "the previous binaries".to_owned(),
+            Undo::Binaries(_) => "the previous binaries".to_owned(),
         };
         match restored {
             Ok(()) => match systemd::restart(host::UNIT_NAME).await {
