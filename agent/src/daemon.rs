@@ -270,18 +270,25 @@ impl Rotation {
 /// The machine was deleted: reset it, tell the controller (which then forgets it), forget
 /// the identity, and keep the agent from starting again at boot. The agent then exits 0, which
 /// systemd (`Restart=on-failure`) leaves alone.
-async fn decommission(reconciler: &Reconciler, cancel: &CancellationToken) -> anyhow::Result<()> {
+async fn decommission(
+    reconciler: &Reconciler,
+    spec: &mut watch::Receiver<Option<AgentSpec>>,
+    polling: &CancellationToken,
+    cancel: &CancellationToken,
+) -> anyhow::Result<()> {
     let report = &reconciler.report;
     report.event("Normal", "ResetStarted", "the machine was deleted: undoing what keelson installed");
     report.condition(condition::UPDATING, ConditionStatus::True, "Resetting", "the machine was deleted");
     // An etcd member leaves its cluster first; while that would cost the cluster its quorum
-    // (or its last member) nothing is undone, and the refusal is what the status says.
-    let spec = crate::ledger::Ledger::load(&reconciler.state_dir).unwrap_or_default().spec.unwrap_or_default();
+    // (or its last member) nothing is undone, and the refusal is what the status says. The
+    // spec is still polled meanwhile: the operator may force the removal.
+    let ledger_spec = crate::ledger::Ledger::load(&reconciler.state_dir).unwrap_or_default().spec.unwrap_or_default();
     let mut attempt = 0;
     loop {
-        match reconciler.leave_etcd(&spec).await {
+        let force = spec.borrow_and_update().as_ref().is_some_and(|s| s.force_etcd_leave);
+        match reconciler.leave_etcd(&ledger_spec, force).await {
             Ok(Some(what)) => {
-                report.event("Normal", "EtcdMemberRemoved", what);
+                report.event(if force { "Warning" } else { "Normal" }, "EtcdMemberRemoved", what);
                 break;
             }
             Ok(None) => break,
@@ -291,11 +298,14 @@ async fn decommission(reconciler: &Reconciler, cancel: &CancellationToken) -> an
                 attempt += 1;
                 tokio::select! {
                     _ = tokio::time::sleep(backoff(attempt)) => {}
+                    r = spec.changed() => r?,
                     _ = cancel.cancelled() => anyhow::bail!("stopped while the etcd member could not leave its cluster"),
                 }
             }
         }
     }
+    // The reset revokes this machine's identity: nothing more to ask the controller for.
+    polling.cancel();
     report.condition(condition::DEGRADED, ConditionStatus::False, "AsExpected", "");
     let reset = crate::reset::reset_machine(&reconciler.state_dir).await;
     let summary = reset.summary();
@@ -363,8 +373,7 @@ async fn reconcile_loop(
         let current = spec.borrow_and_update().clone();
         let Some(current) = current else { continue };
         if current.deleting {
-            polling.cancel();
-            decommission(&reconciler, &cancel).await?;
+            decommission(&reconciler, &mut spec, &polling, &cancel).await?;
             cancel.cancel();
             return Ok(());
         }

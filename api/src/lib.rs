@@ -20,9 +20,6 @@ pub const KIND_MACHINE: &str = "Machine";
 pub const KIND_POOL: &str = "MachinePool";
 pub const KIND_TOKEN: &str = "BootstrapToken";
 
-/// Annotation that marks a machine to be removed first when its pool shrinks.
-pub const ANNOTATION_DELETE_MACHINE: &str = "keelson.io/delete-machine";
-
 /// An error with all its causes, for one-line messages: reqwest's and rustls's own Display
 /// hides the part that tells an operator what happened ("connection refused", "unknown CA").
 pub fn error_chain(e: &dyn std::error::Error) -> String {

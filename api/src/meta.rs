@@ -200,6 +200,10 @@ pub mod annotation {
     pub const ROLLOUT_PRIORITY: &str = "keelson.io/rollout-priority";
     /// On a machine: pick it first when a pool shrinks.
     pub const DELETE_MACHINE: &str = "keelson.io/delete-machine";
+    /// On a machine, `"true"`: when it is deleted, its etcd member leaves the cluster even if
+    /// that costs the cluster its quorum or its last member. Set by `keelson delete machine
+    /// NAME --force-etcd-leave`.
+    pub const FORCE_ETCD_LEAVE: &str = "keelson.io/force-etcd-leave";
 }
 
 /// Finds a condition by type.

@@ -82,6 +82,11 @@ pub struct AgentSpec {
     /// The machine is being deleted: reset it, then say so (`POST /v1/agent/reset`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub deleting: bool,
+    /// The operator forced the deletion of an etcd member (`keelson delete machine NAME
+    /// --force-etcd-leave`): leave the cluster even when that costs it its quorum, or when this
+    /// is its last member.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub force_etcd_leave: bool,
 }
 
 /// `POST /v1/agent/reset`: the agent has reset the machine; the controller forgets it.

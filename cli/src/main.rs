@@ -54,6 +54,11 @@ enum Command {
         /// A machine: delete it at once, without its agent's reset (it is gone for good).
         #[arg(long)]
         force: bool,
+        /// A machine running an etcd member: the member leaves its cluster even when that
+        /// costs the cluster its quorum, or it is the last member (its data goes with it).
+        /// Also for a machine already being deleted whose removal was refused.
+        #[arg(long, conflicts_with = "force")]
+        force_etcd_leave: bool,
     },
     /// Bootstrap tokens.
     Token {
@@ -337,18 +342,22 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let events: Vec<Event> = client.call(Method::GET, &format!("/v1/machines/{name}/events"), None::<&()>).await?;
             print!("{}", output::describe_machine(&m, &events)?);
         }
-        Command::Delete { kind, ref name, force } => {
+        Command::Delete { kind, ref name, force, force_etcd_leave } => {
             parse_name("NAME", name)?;
             let what = match kind {
                 Kind::Machines => "machine",
                 Kind::Pools => "pool",
                 Kind::Tokens => "token",
             };
-            if force && !matches!(kind, Kind::Machines) {
-                bail!("--force applies to machines only");
+            if (force || force_etcd_leave) && !matches!(kind, Kind::Machines) {
+                bail!("--force and --force-etcd-leave apply to machines only");
             }
             let client = connect()?;
-            let query = if force { "?force=true" } else { "" };
+            let query = match (force, force_etcd_leave) {
+                (true, _) => "?force=true",
+                (_, true) => "?forceEtcdLeave=true",
+                _ => "",
+            };
             let status = client.call_empty(Method::DELETE, &format!("{}/{name}{query}", kind.path())).await?;
             if status == reqwest::StatusCode::ACCEPTED {
                 println!("{what}/{name} is being deleted: its agent resets the machine, then it goes (keelson events {what}/{name})");

@@ -11,7 +11,7 @@ use sha2::Digest;
 
 use crate::error::ApiError;
 use crate::registry::{
-    MACHINES, POOLS, REVISIONS, ROLLOUTS, Registry, Versioned, encode, new_uid, not_found, owning_pool, parse_resource_version,
+    Deletion, MACHINES, POOLS, REVISIONS, ROLLOUTS, Registry, Versioned, encode, new_uid, not_found, owning_pool, parse_resource_version,
 };
 use crate::rollout::{self, Member, RolloutState};
 use crate::store::{Op, Precondition, StoreError};
@@ -317,7 +317,7 @@ impl Registry {
                 for n in picked.iter().filter_map(|m| m.metadata.name.clone()) {
                     let why = format!("pool {name} keeps {replicas} machines (deletion order {order:?})");
                     self.record_event(n.as_str(), "Normal", "ScaleIn", &why, "controller").await?;
-                    match self.delete_machine(&n, false).await {
+                    match self.delete_machine(&n, Deletion::Reset).await {
                         Ok(_) | Err(ApiError::NotFound(_)) => {}
                         Err(e) => return Err(e),
                     }

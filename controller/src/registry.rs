@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use keelson_api::machine::{Machine, MachineSpec, Phase};
-use keelson_api::meta::{self, ConditionStatus, Name, Timestamp, condition, set_condition};
+use keelson_api::meta::{self, ConditionStatus, Name, Timestamp, annotation, condition, set_condition};
 use keelson_api::pool::MachinePool;
 use keelson_api::token::{BootstrapToken, TokenSpec, TokenStatus, TokenString};
 use keelson_api::validate::validate_spec_change;
@@ -67,6 +67,19 @@ pub struct Identity {
     pub serials: Vec<String>,
     #[serde(with = "time::serde::rfc3339")]
     pub enrolled_at: Timestamp,
+}
+
+/// How a machine is deleted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Deletion {
+    /// Its agent resets the machine first (an etcd member leaves its cluster only while the
+    /// cluster keeps its quorum); then it goes.
+    Reset,
+    /// As `Reset`, but an etcd member leaves even when the cluster loses its quorum or its
+    /// last member.
+    ResetForcingEtcdLeave,
+    /// At once, without the agent (a machine gone for good).
+    Forget,
 }
 
 #[derive(Debug)]
@@ -312,34 +325,59 @@ impl Registry {
         Err(ApiError::Conflict(format!("machine {name} is changing too often to update; try again")))
     }
 
-    /// Deletes a machine and revokes its identity.
     /// Deletes a machine. An enrolled machine is first reset by its agent: it is marked
     /// (`deletionTimestamp`, a new generation so its long-poll answers) and goes when the agent
-    /// reports the reset (`complete_reset`); `force` deletes at once. Returns the marked
-    /// machine, or `None` when it is gone. Its events stay.
-    pub async fn delete_machine(&self, name: &Name, force: bool) -> Result<Option<Versioned<Machine>>, ApiError> {
+    /// reports the reset (`complete_reset`); `Deletion::Forget` deletes at once. Returns the
+    /// marked machine, or `None` when it is gone. Its events stay.
+    pub async fn delete_machine(&self, name: &Name, how: Deletion) -> Result<Option<Versioned<Machine>>, ApiError> {
         let enrolled = self.get::<Identity>(&format!("{IDENTITIES}{name}")).await?.is_some();
-        if force || !enrolled {
+        if how == Deletion::ResetForcingEtcdLeave && self.machine(name.as_str()).await?.object.spec.etcd.is_none() {
+            return Err(ApiError::invalid(
+                "forceEtcdLeave",
+                format!("forceEtcdLeave: machine {name} runs no etcd member (spec.etcd is not set)"),
+            ));
+        }
+        if how == Deletion::Forget || !enrolled {
             self.forget_machine(name).await?;
             return Ok(None);
         }
         let now = meta::now();
-        let mut newly = false;
+        let (mut newly, mut forced) = (false, false);
         let marked = self
             .update_machine(name.as_str(), |m| {
-                if m.metadata.deletion_timestamp.is_some() {
+                let force = how == Deletion::ResetForcingEtcdLeave
+                    && m.metadata.annotations.get(annotation::FORCE_ETCD_LEAVE).is_none_or(|v| v != "true");
+                if m.metadata.deletion_timestamp.is_some() && !force {
                     return Ok(false);
                 }
-                newly = true;
-                m.metadata.deletion_timestamp = Some(now);
+                if force {
+                    // Also on a machine already being deleted: its agent may be waiting on a
+                    // refused removal, and the new generation wakes it.
+                    m.metadata.annotations.insert(annotation::FORCE_ETCD_LEAVE.into(), "true".into());
+                    forced = true;
+                }
+                if m.metadata.deletion_timestamp.is_none() {
+                    m.metadata.deletion_timestamp = Some(now);
+                    m.status.phase = Some(Phase::Deleting);
+                    newly = true;
+                }
                 m.metadata.generation += 1;
-                m.status.phase = Some(Phase::Deleting);
                 Ok(true)
             })
             .await?;
         if newly {
             self.record_event(name.as_str(), "Normal", "DeletionRequested", "waiting for the agent to reset the machine", "controller")
                 .await?;
+        }
+        if forced {
+            self.record_event(
+                name.as_str(),
+                "Warning",
+                "EtcdLeaveForced",
+                "the operator forced the etcd member's removal: it leaves even if the cluster loses its quorum or its last member",
+                "controller",
+            )
+            .await?;
         }
         Ok(Some(marked))
     }
@@ -390,7 +428,8 @@ impl Registry {
                 }
                 let reachable = meta::find_condition(&m.status.conditions, condition::REACHABLE).cloned();
                 let before = progress(m);
-                m.status.phase = report.phase;
+                // A machine being deleted stays Deleting whatever its agent last was doing.
+                m.status.phase = if m.metadata.deletion_timestamp.is_some() { Some(Phase::Deleting) } else { report.phase };
                 m.status.observed_generation = report.observed_generation;
                 m.status.conditions = report.conditions.iter().filter(|c| c.type_ != condition::REACHABLE).cloned().collect();
                 if let Some(r) = reachable {

@@ -572,3 +572,47 @@ async fn a_deleted_machine_is_reset_by_its_agent_before_it_goes() -> R {
     assert_eq!(admin.request(reqwest::Method::DELETE, "/v1/machines/never", None).await?.status, 204, "not enrolled: gone at once");
     Ok(())
 }
+
+#[tokio::test]
+async fn a_forced_etcd_leave_reaches_the_agent_of_a_machine_being_deleted() -> R {
+    let dir = tmp();
+    let c = Controller::start(dir.path(), &[])?;
+    let admin = c.admin()?;
+    let token = c.token(&["--usages", "2"])?;
+    let etcd = c.enroll("etcd-1", &token, tmp().path())?;
+    let _worker = c.enroll("worker-1", &token, tmp().path())?;
+    let etcd_spec = json!({"roles": ["etcd"], "etcd": {"cluster": "main", "version": "3.4.23", "source": {"package": "etcd-server"}}});
+    assert_eq!(admin.put("/v1/machines/etcd-1", &machine_json("etcd-1", json!({}), etcd_spec)).await?.status, 200);
+
+    // Refused, and nothing changes: a machine without a member; both ways of forcing at once.
+    let out = c.cli(&["delete", "machine", "worker-1", "--force-etcd-leave"])?;
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("forceEtcdLeave: machine worker-1 runs no etcd member"), "{out:?}");
+    assert!(admin.get("/v1/machines/worker-1").await?.body["metadata"]["deletionTimestamp"].is_null());
+    let both = admin.request(reqwest::Method::DELETE, "/v1/machines/etcd-1?force=true&forceEtcdLeave=true", None).await?;
+    assert_eq!(both.status, 400, "{}", both.text);
+    assert!(both.text.contains("forceEtcdLeave"), "{}", both.text);
+    assert_eq!(admin.get("/v1/machines/etcd-1").await?.status, 200);
+
+    // An ordinary deletion first: the agent is to leave only while quorum allows.
+    assert!(c.cli(&["delete", "machine", "etcd-1"])?.status.success());
+    let first = etcd.get("/v1/agent/spec?after=0&timeoutSeconds=1").await?;
+    assert_eq!(first.body["deleting"], true, "{}", first.text);
+    assert!(first.body.get("forceEtcdLeave").is_none(), "{}", first.text);
+    // Its agent reports while the removal is refused: the machine stays Deleting.
+    let generation = first.body["generation"].as_u64().unwrap_or_default();
+    let status = json!({"phase": "Ready", "observedGeneration": generation});
+    assert_eq!(etcd.put("/v1/agent/status", &status).await?.status, 204);
+    assert_eq!(admin.get("/v1/machines/etcd-1").await?.body["status"]["phase"], "Deleting");
+
+    // The operator forces it: a new generation wakes the waiting agent, which now may leave.
+    let out = c.cli(&["delete", "machine", "etcd-1", "--force-etcd-leave"])?;
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let forced = etcd.get(&format!("/v1/agent/spec?after={generation}&timeoutSeconds=1")).await?;
+    assert_eq!((forced.body["changed"].clone(), forced.body["forceEtcdLeave"].clone()), (json!(true), json!(true)), "{}", forced.text);
+    let m = admin.get("/v1/machines/etcd-1").await?;
+    assert_eq!(m.body["metadata"]["annotations"]["keelson.io/force-etcd-leave"], "true", "{}", m.text);
+    let events = admin.get("/v1/machines/etcd-1/events").await?;
+    assert!(events.text.contains("EtcdLeaveForced"), "{}", events.text);
+    Ok(())
+}

@@ -116,28 +116,49 @@ pub fn unpack_release(
 /// Installs the tarball's binaries into `bin_dir`, each by rename with the previous kept;
 /// returns what the ledger records for each.
 pub fn install_tarball(tarball: &Path, bin_dir: &Path) -> Result<BTreeMap<String, FileStamp>, TarballError> {
-    install_unpacked(bin_dir, |staging| unpack_binaries(tarball, staging))
+    stage(bin_dir, |staging| unpack_binaries(tarball, staging))?.install()
 }
 
-/// Unpacks with `unpack` into a staging directory beside `bin_dir`, then moves each binary
-/// into place by rename, keeping the previous; returns what the ledger records for each.
-pub fn install_unpacked(
-    bin_dir: &Path,
-    unpack: impl FnOnce(&Path) -> Result<Vec<String>, TarballError>,
-) -> Result<BTreeMap<String, FileStamp>, TarballError> {
+/// Binaries unpacked into a staging directory beside where they go, not yet in place: the
+/// slow part of an install (decompressing a release), done while the old binaries still
+/// serve. Dropping it without `install` leaves `bin_dir` as it was.
+#[derive(Debug)]
+pub struct Staged {
+    bin_dir: PathBuf,
+    staging: PathBuf,
+    names: Vec<String>,
+}
+
+/// Unpacks with `unpack` into a staging directory beside `bin_dir`.
+pub fn stage(bin_dir: &Path, unpack: impl FnOnce(&Path) -> Result<Vec<String>, TarballError>) -> Result<Staged, TarballError> {
     let staging = bin_dir.join(".keelson-staging");
     let _ = std::fs::remove_dir_all(&staging);
-    let names = unpack(&staging)?;
-    let mut stamps = BTreeMap::new();
-    for name in &names {
-        let target = bin_dir.join(name);
-        files::replace_keeping_previous(&staging.join(name), &target)
-            .map_err(|source| TarballError::Io { path: target.clone(), source })?;
-        let stamp = FileStamp::of(&target).map_err(|source| TarballError::Io { path: target.clone(), source })?;
-        stamps.insert(target.to_string_lossy().into_owned(), stamp);
+    // From here on, dropping the Staged removes the directory, on error too.
+    let mut staged = Staged { bin_dir: bin_dir.to_owned(), staging, names: Vec::new() };
+    staged.names = unpack(&staged.staging)?;
+    Ok(staged)
+}
+
+impl Staged {
+    /// Moves each binary into place by rename (same file system: no copy), keeping the
+    /// previous; returns what the ledger records for each.
+    pub fn install(self) -> Result<BTreeMap<String, FileStamp>, TarballError> {
+        let mut stamps = BTreeMap::new();
+        for name in &self.names {
+            let target = self.bin_dir.join(name);
+            files::replace_keeping_previous(&self.staging.join(name), &target)
+                .map_err(|source| TarballError::Io { path: target.clone(), source })?;
+            let stamp = FileStamp::of(&target).map_err(|source| TarballError::Io { path: target.clone(), source })?;
+            stamps.insert(target.to_string_lossy().into_owned(), stamp);
+        }
+        Ok(stamps)
     }
-    let _ = std::fs::remove_dir_all(&staging);
-    Ok(stamps)
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.staging);
+    }
 }
 
 /// Puts back the binaries an install displaced (and removes the ones that displaced none).
@@ -215,6 +236,22 @@ pub(crate) mod tests {
         assert!(same_release("1.6.20~ds1", "1.6.20"));
         assert!(!same_release("1.6.201", "1.6.20"));
         assert!(!same_release("1.6.19", "1.6.20"));
+    }
+
+    #[test]
+    fn a_staged_release_changes_nothing_until_installed() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let bin = dir.path().join("bin-dir");
+        std::fs::create_dir_all(&bin)?;
+        std::fs::write(bin.join("containerd"), b"old daemon")?;
+        let t = tarball(dir.path(), &[("bin/containerd", b"new daemon"), ("bin/ctr", b"new ctr")])?;
+        let staged = stage(&bin, |staging| unpack_binaries(&t, staging))?;
+        assert_eq!(std::fs::read(bin.join("containerd"))?, b"old daemon");
+        assert!(!bin.join("ctr").exists());
+        drop(staged);
+        let names: Vec<_> = std::fs::read_dir(&bin)?.map(|e| e.map(|e| e.file_name())).collect::<Result<_, _>>()?;
+        assert_eq!(names, ["containerd"], "an abandoned staging directory is removed");
+        Ok(())
     }
 
     #[test]

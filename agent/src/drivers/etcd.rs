@@ -9,8 +9,7 @@
 use std::net::IpAddr;
 use std::path::Path;
 
-use super::containerd::{TarballError, install_unpacked, unpack_release};
-use crate::ledger::FileStamp;
+use super::containerd::{Staged, TarballError, stage, unpack_release};
 
 pub const UNIT_NAME: &str = "keelson-etcd.service";
 pub const UNIT: &str = "/etc/systemd/system/keelson-etcd.service";
@@ -134,9 +133,10 @@ pub fn has_member_data(root: &Path) -> bool {
 }
 
 /// The etcd release tarball's `etcd`, `etcdctl` and `etcdutl` (3.5 and later; 3.4 has no
-/// etcdutl) into `bin_dir` (`TARBALL_BIN_DIR`), by rename with the previous binaries kept.
-pub fn install_tarball(tarball: &Path, bin_dir: &Path) -> Result<std::collections::BTreeMap<String, FileStamp>, TarballError> {
-    install_unpacked(bin_dir, |staging| {
+/// etcdutl) unpacked beside `bin_dir` (`TARBALL_BIN_DIR`), to be moved in by rename with the
+/// previous binaries kept.
+pub fn stage_tarball(tarball: &Path, bin_dir: &Path) -> Result<Staged, TarballError> {
+    stage(bin_dir, |staging| {
         let names = unpack_release(tarball, staging, ("etcd-v*/", |dir: &str| dir.starts_with("etcd-v")), &["etcd", "etcdctl"], "etcd")?;
         // Only etcd's own binaries go to /usr/local/bin, whatever else the tarball carries.
         for n in names.iter().filter(|n| !["etcd", "etcdctl", "etcdutl"].contains(&n.as_str())) {
@@ -165,7 +165,7 @@ mod tests {
         let bin = dir.path().join("bin");
         std::fs::create_dir_all(&bin)?;
         std::fs::write(bin.join("etcd"), b"old etcd")?;
-        let stamps = install_tarball(&t, &bin)?;
+        let stamps = stage_tarball(&t, &bin)?.install()?;
         let mut names: Vec<String> = std::fs::read_dir(&bin)?.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
         names.sort();
         assert_eq!(names, ["etcd", "etcd.keelson-previous", "etcdctl"]);
@@ -176,7 +176,7 @@ mod tests {
         assert_eq!(std::fs::read(bin.join("etcd"))?, b"old etcd");
         assert!(!bin.join("etcdctl").exists());
         let no_etcd = crate::drivers::containerd::tests::tarball(dir.path(), &[("etcd-v3.5.1-linux-amd64/etcdctl", b"x")])?;
-        let err = install_tarball(&no_etcd, &bin).err().map(|e| e.to_string()).unwrap_or_default();
+        let err = stage_tarball(&no_etcd, &bin).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(err.ends_with("not a release tarball of etcd: it has no etcd-v*/etcd"), "{err}");
         Ok(())
     }

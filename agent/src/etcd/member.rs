@@ -48,6 +48,17 @@ impl From<MembershipError> for MemberError {
 }
 
 /// This machine's member of `cluster`.
+/// What leaving the cluster came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Left {
+    /// The member was removed; the others go on.
+    Removed,
+    /// The cluster had no member for this machine (it left before, or never joined).
+    NotAMember,
+    /// Forced on the last member: etcd cannot remove it, so the cluster ends with the reset.
+    ClusterEnded,
+}
+
 #[derive(Debug)]
 pub struct LocalMember<'a> {
     pub name: &'a Name,
@@ -148,16 +159,20 @@ impl LocalMember<'_> {
 
     /// Leaves the cluster (before a reset): refused when the rest would lose quorum, or when
     /// this is the last member, unless `force`.
-    pub async fn leave(&self, tls: &EtcdTls, force: bool) -> Result<(), MemberError> {
+    pub async fn leave(&self, tls: &EtcdTls, force: bool) -> Result<Left, MemberError> {
         let local = EtcdClient::new(vec![host::local_client_url()], Some(tls)).map_err(transient)?;
         let members = local.members().await.map_err(transient)?;
         let Some(me) = members.iter().find(|m| m.peer_urls.contains(&self.peer_url())) else {
-            return Ok(());
+            return Ok(Left::NotAMember);
         };
+        if force && members.len() == 1 {
+            // etcd never removes its only member; forcing means the cluster ends here.
+            return Ok(Left::ClusterEnded);
+        }
         let others: Vec<String> = members.iter().filter(|m| m.id != me.id).flat_map(|m| m.client_urls.iter().cloned()).collect();
         let client = local.with_endpoints([others, vec![host::local_client_url()]].concat());
         membership::remove_member(&client, me.id, force).await?;
-        Ok(())
+        Ok(Left::Removed)
     }
 
     /// The member as its own endpoint and the member list see it, for the status.

@@ -10,7 +10,7 @@ use keelson_api::meta::Name;
 use super::{Reconciler, StepError, off_runtime, transient};
 use crate::drivers::{artifact, etcd as host, files, systemd};
 use crate::etcd::client::{EtcdClient, EtcdTls};
-use crate::etcd::member::{LocalMember, MemberError};
+use crate::etcd::member::{Left, LocalMember, MemberError};
 use crate::etcd::{membership, pki};
 use crate::plan::Pin;
 
@@ -35,6 +35,12 @@ pub(super) enum Source<'a> {
     Package { name: &'a str, previous: Option<&'a str> },
     /// A release tarball already in the artifact cache.
     Tarball { sha256: &'a str },
+}
+
+/// A member's new binary, ready to go in place.
+enum Prepared<'a> {
+    Package { pm: crate::drivers::packages::Manager, pin: Pin, previous: Option<&'a str> },
+    Tarball(crate::drivers::containerd::Staged),
 }
 
 /// How to go back to the binary that ran before a failed change.
@@ -68,17 +74,25 @@ impl Reconciler {
         let local_url = host::local_client_url();
         let local = EtcdClient::new(vec![local_url.clone()], Some(&tls)).map_err(transient)?;
 
-        let mut snapshot = None;
+        // The slow part of an install (refreshing package lists, unpacking a release) comes
+        // first, while this member still serves and may still lead.
         let began = Instant::now();
+        let prepared = match source {
+            Some(source) => Some(self.prepare_etcd(version, source).await?),
+            None => None,
+        };
+        let staged = began.elapsed();
+
+        let mut snapshot = None;
         if !join && systemd::is_active(host::UNIT_NAME).await {
             let (path, size) = member.prepare_restart(&local).await.map_err(member_err)?;
             self.report.event("Normal", "EtcdSnapshot", format!("{} ({size} bytes), taken before the member changes", path.display()));
             snapshot = Some(format!("{} ({size} bytes)", path.display()));
         }
+        let checked = began.elapsed() - staged;
 
-        let prepared = began.elapsed();
-        let undo = match source {
-            Some(source) => self.install_etcd(version, source).await?,
+        let undo = match prepared {
+            Some(p) => self.install_etcd(p).await?,
             None => None,
         };
         // A rollback puts the unit back too: a tarball's unit names its own binary.
@@ -91,7 +105,7 @@ impl Reconciler {
         }
         systemd::daemon_reload_enable(host::UNIT_NAME).await.map_err(transient)?;
 
-        let installed = began.elapsed() - prepared;
+        let installed = began.elapsed() - staged - checked;
         let restarted = Instant::now();
         let result = if join {
             member.join(&tls).await
@@ -107,10 +121,11 @@ impl Reconciler {
                     "Normal",
                     "EtcdRestarted",
                     format!(
-                        "etcd {version} healthy and caught up at raft index {}: checks, snapshot and leader move {:.1}s, \
-                         install {:.1}s, restart to caught up {:.1}s",
+                        "etcd {version} healthy and caught up at raft index {}: staging {:.1}s, checks, snapshot and leader \
+                         move {:.1}s, install {:.1}s, restart to caught up {:.1}s",
                         status.raft_applied_index,
-                        prepared.as_secs_f64(),
+                        staged.as_secs_f64(),
+                        checked.as_secs_f64(),
                         installed.as_secs_f64(),
                         restarted.elapsed().as_secs_f64()
                     ),
@@ -132,9 +147,9 @@ impl Reconciler {
         Err(StepError::Permanent(format!("etcd {version} did not come back healthy and caught up ({e}); {what}")))
     }
 
-    /// Installs `version` from its source; returns how to go back to what ran before, when
-    /// there is something to go back to.
-    async fn install_etcd(&self, version: &str, source: Source<'_>) -> Result<Option<Undo>, StepError> {
+    /// Gets `version` ready to install from its source without touching what runs: the package
+    /// version chosen from fresh lists, or the release unpacked beside the binaries it replaces.
+    async fn prepare_etcd<'a>(&self, version: &str, source: Source<'a>) -> Result<Prepared<'a>, StepError> {
         match source {
             Source::Package { name, previous } => {
                 // Before the package is there, so that its own unit never starts a stray member.
@@ -142,18 +157,30 @@ impl Reconciler {
                 let pm = Self::packages()?;
                 pm.update().await?;
                 let chosen = Self::newest_of_release(pm, name, "etcd", version).await?;
-                pm.install(&[Pin { name: name.to_owned(), version: chosen }]).await?;
-                pm.hold(&[name.to_owned()]).await?;
-                Ok(previous.map(|v| Undo::Package(Pin { name: name.to_owned(), version: v.to_owned() })))
+                Ok(Prepared::Package { pm, pin: Pin { name: name.to_owned(), version: chosen }, previous })
             }
             Source::Tarball { sha256 } => {
                 let cached = artifact::cached(&self.state_dir, sha256);
                 if !cached.exists() {
                     return Err(transient(format!("artifact {sha256} is not in the cache (fetch it first)")));
                 }
-                let stamps = off_runtime(move || host::install_tarball(&cached, std::path::Path::new(host::TARBALL_BIN_DIR))).await??;
-                Ok(Some(Undo::Binaries(stamps)))
+                let staged = off_runtime(move || host::stage_tarball(&cached, std::path::Path::new(host::TARBALL_BIN_DIR))).await??;
+                Ok(Prepared::Tarball(staged))
             }
+        }
+    }
+
+    /// Puts the prepared binary in place; returns how to go back to what ran before, when
+    /// there is something to go back to.
+    async fn install_etcd(&self, prepared: Prepared<'_>) -> Result<Option<Undo>, StepError> {
+        match prepared {
+            Prepared::Package { pm, pin, previous } => {
+                let name = pin.name.clone();
+                pm.install(&[pin]).await?;
+                pm.hold(std::slice::from_ref(&name)).await?;
+                Ok(previous.map(|v| Undo::Package(Pin { name, version: v.to_owned() })))
+            }
+            Prepared::Tarball(staged) => Ok(Some(Undo::Binaries(off_runtime(move || staged.install()).await??))),
         }
     }
 
@@ -209,15 +236,25 @@ impl Reconciler {
     }
 
     /// Takes this machine's member out of its cluster before a reset; refused when that would
-    /// cost the cluster its quorum or its last member.
-    pub async fn leave_etcd(&self, spec: &MachineSpec) -> Result<Option<String>, String> {
+    /// cost the cluster its quorum or its last member, unless `force` (the operator's
+    /// `keelson delete machine NAME --force-etcd-leave`).
+    pub async fn leave_etcd(&self, spec: &MachineSpec, force: bool) -> Result<Option<String>, String> {
         let Some(e) = &spec.etcd else { return Ok(None) };
         if !host::has_member_data(std::path::Path::new("/")) {
             return Ok(None);
         }
         let tls = tls_on_disk().ok_or_else(|| format!("no etcd TLS files in {}", host::PKI_DIR))?;
         let member = self.local_member(&e.cluster).map_err(|e| e.to_string())?;
-        member.leave(&tls, false).await.map_err(|e| e.to_string())?;
-        Ok(Some(format!("left etcd cluster {}", e.cluster)))
+        let cluster = &e.cluster;
+        Ok(Some(match member.leave(&tls, force).await.map_err(|e| e.to_string())? {
+            Left::Removed if force => {
+                format!("left etcd cluster {cluster} (forced by the operator: the quorum check was skipped)")
+            }
+            Left::Removed => format!("left etcd cluster {cluster}"),
+            Left::NotAMember => format!("not a member of etcd cluster {cluster} any more"),
+            Left::ClusterEnded => {
+                format!("was the last member of etcd cluster {cluster}; forced by the operator, the cluster ends with this reset")
+            }
+        }))
     }
 }

@@ -18,7 +18,7 @@ use serde::de::DeserializeOwned;
 
 use super::{App, JsonBody, PeerExt, require_admin};
 use crate::error::ApiError;
-use crate::registry::{HasMeta, MACHINES, POOLS, StoredToken, TOKENS, Versioned};
+use crate::registry::{Deletion, HasMeta, MACHINES, POOLS, StoredToken, TOKENS, Versioned};
 use crate::store::Entry;
 
 #[derive(Debug, Deserialize)]
@@ -101,6 +101,10 @@ pub struct DeleteQuery {
     /// Delete at once, without the agent's reset (a machine that is gone for good).
     #[serde(default)]
     force: bool,
+    /// The machine's etcd member leaves even when that costs the cluster its quorum or its
+    /// last member.
+    #[serde(default, rename = "forceEtcdLeave")]
+    force_etcd_leave: bool,
 }
 
 /// 204 when the machine is gone; 202 with the machine when its agent resets it first.
@@ -111,7 +115,18 @@ pub async fn delete_machine(
     Query(q): Query<DeleteQuery>,
 ) -> ApiResult<Response> {
     require_admin(&peer)?;
-    match app.registry.delete_machine(&path_name(&name)?, q.force).await? {
+    let how = match (q.force, q.force_etcd_leave) {
+        (true, true) => {
+            return Err(ApiError::invalid(
+                "forceEtcdLeave",
+                "forceEtcdLeave: asks the agent to remove its member, while force skips the agent; choose one",
+            ));
+        }
+        (true, false) => Deletion::Forget,
+        (false, true) => Deletion::ResetForcingEtcdLeave,
+        (false, false) => Deletion::Reset,
+    };
+    match app.registry.delete_machine(&path_name(&name)?, how).await? {
         None => Ok(StatusCode::NO_CONTENT.into_response()),
         Some(pending) => Ok((StatusCode::ACCEPTED, Json(pending.stamped())).into_response()),
     }

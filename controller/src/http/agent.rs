@@ -7,6 +7,8 @@ use std::time::Duration;
 use axum::Json;
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
+use keelson_api::machine::Machine;
+use keelson_api::meta::{Name, annotation};
 use keelson_api::wire::{AgentEvents, AgentSpec, AgentStatus, EnrollRequest, EnrollResponse, ResetDone};
 use serde::Deserialize;
 
@@ -41,8 +43,7 @@ pub async fn spec(State(app): State<Arc<App>>, peer: PeerExt, Query(q): Query<Sp
     loop {
         let machine = app.registry.machine(name.as_str()).await?.object;
         if machine.metadata.generation > q.after {
-            let deleting = machine.metadata.deletion_timestamp.is_some();
-            return Ok(Json(AgentSpec { name, generation: machine.metadata.generation, changed: true, spec: machine.spec, deleting }));
+            return Ok(Json(agent_spec(name, machine, true)));
         }
         let timed_out = tokio::select! {
             changed = generations.changed() => changed.is_err(),
@@ -50,10 +51,15 @@ pub async fn spec(State(app): State<Arc<App>>, peer: PeerExt, Query(q): Query<Sp
             _ = app.shutdown.cancelled() => true,
         };
         if timed_out {
-            let deleting = machine.metadata.deletion_timestamp.is_some();
-            return Ok(Json(AgentSpec { name, generation: machine.metadata.generation, changed: false, spec: machine.spec, deleting }));
+            return Ok(Json(agent_spec(name, machine, false)));
         }
     }
+}
+
+fn agent_spec(name: Name, machine: Machine, changed: bool) -> AgentSpec {
+    let deleting = machine.metadata.deletion_timestamp.is_some();
+    let force_etcd_leave = deleting && machine.metadata.annotations.get(annotation::FORCE_ETCD_LEAVE).is_some_and(|v| v == "true");
+    AgentSpec { name, generation: machine.metadata.generation, changed, spec: machine.spec, deleting, force_etcd_leave }
 }
 
 /// The agent has reset its machine after a deletion: the controller forgets the machine and
