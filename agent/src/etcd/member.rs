@@ -47,7 +47,6 @@ impl From<MembershipError> for MemberError {
     }
 }
 
-/// This machine's member of `cluster`.
 /// What leaving the cluster came to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Left {
@@ -59,6 +58,7 @@ pub enum Left {
     ClusterEnded,
 }
 
+/// This machine's member of `cluster`.
 #[derive(Debug)]
 pub struct LocalMember<'a> {
     pub name: &'a Name,
