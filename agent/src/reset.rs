@@ -87,7 +87,13 @@ pub async fn reset_machine(state_dir: &Path) -> Reset {
                 }
             }
         }
-        r.record("unmasked etcd.service", systemd::unmask(host::PACKAGE_UNIT).await);
+        // A package from an earlier spec (the pool moved to a tarball) is still there: its own
+        // unit, enabled by its installation, would start a stray single-node etcd once unmasked.
+        if Path::new(host::PACKAGE_BINARY).exists() {
+            r.failed.push(format!("{} (a package still provides it: {} stays masked)", host::PACKAGE_BINARY, host::PACKAGE_UNIT));
+        } else {
+            r.record("unmasked etcd.service", systemd::unmask(host::PACKAGE_UNIT).await);
+        }
         for path in [host::UNIT, host::ENV_FILE, host::INITIAL_ENV_FILE] {
             r.remove(path);
         }
