@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use keelson_controller::http::ApiConfig;
-use keelson_controller::serve::{ServeOptions, run};
+use keelson_controller::serve::{ServeOptions, StoreChoice, run};
+use keelson_controller::store::etcd::{EtcdOptions, EtcdTlsFiles};
 use tokio_util::sync::CancellationToken;
 
 #[derive(Parser)]
@@ -29,9 +30,22 @@ enum Command {
         /// Extra DNS name or IP address for the server certificate (repeatable).
         #[arg(long = "san")]
         sans: Vec<String>,
-        /// Store: sqlite (embedded, in the data directory).
+        /// Store: sqlite (embedded, in the data directory) or etcd://HOST:PORT[,HOST:PORT…]
+        /// (for several replicas).
         #[arg(long, default_value = "sqlite")]
         store: String,
+        /// etcd store: the CA that signed the members' client-facing certificates.
+        #[arg(long, requires_all = ["etcd_cert_file", "etcd_key_file"])]
+        etcd_ca_file: Option<PathBuf>,
+        /// etcd store: this controller's client certificate.
+        #[arg(long, requires_all = ["etcd_ca_file", "etcd_key_file"])]
+        etcd_cert_file: Option<PathBuf>,
+        /// etcd store: the key of that certificate.
+        #[arg(long, requires_all = ["etcd_ca_file", "etcd_cert_file"])]
+        etcd_key_file: Option<PathBuf>,
+        /// etcd store: the prefix every key of this controller lives under.
+        #[arg(long, default_value = keelson_controller::store::etcd::DEFAULT_PREFIX)]
+        etcd_prefix: String,
         /// Seconds without a heartbeat before a machine is Reachable=False (3 heartbeat intervals).
         #[arg(long, default_value_t = 30)]
         unreachable_after_seconds: u64,
@@ -71,6 +85,10 @@ fn main() -> std::process::ExitCode {
             listen,
             sans,
             store,
+            etcd_ca_file,
+            etcd_cert_file,
+            etcd_key_file,
+            etcd_prefix,
             unreachable_after_seconds,
             reconcile_interval_seconds,
             long_poll_seconds,
@@ -83,6 +101,28 @@ fn main() -> std::process::ExitCode {
                 );
                 return std::process::ExitCode::from(2);
             }
+            let tls = match (etcd_ca_file, etcd_cert_file, etcd_key_file) {
+                (Some(ca), Some(cert), Some(key)) => Some(EtcdTlsFiles { ca, cert, key }),
+                _ => None,
+            };
+            let store = match store.as_str() {
+                "sqlite" if tls.is_none() => StoreChoice::Sqlite,
+                "sqlite" => {
+                    eprintln!("keelson-controller: --etcd-ca-file, --etcd-cert-file and --etcd-key-file apply only to --store etcd://…");
+                    return std::process::ExitCode::from(2);
+                }
+                other if other.starts_with("etcd://") => match EtcdOptions::parse(other, tls, &etcd_prefix) {
+                    Ok(o) => StoreChoice::Etcd(o),
+                    Err(e) => {
+                        eprintln!("keelson-controller: {e}");
+                        return std::process::ExitCode::from(2);
+                    }
+                },
+                other => {
+                    eprintln!("keelson-controller: --store {other:?}: expected sqlite or etcd://HOST:PORT[,HOST:PORT…]");
+                    return std::process::ExitCode::from(2);
+                }
+            };
             let opts = ServeOptions {
                 data_dir,
                 listen,

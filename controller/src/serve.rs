@@ -16,6 +16,7 @@ use crate::metrics::Metrics;
 use crate::pki::{self, Authority};
 use crate::registry::Registry;
 use crate::store::Store;
+use crate::store::etcd::{EtcdOptions, EtcdStore};
 use crate::store::sqlite::SqliteStore;
 use crate::waiters::{SpecWaiters, follow_machines};
 
@@ -25,8 +26,7 @@ pub struct ServeOptions {
     pub listen: SocketAddr,
     /// Extra DNS names or IP addresses for the server certificate.
     pub sans: Vec<String>,
-    /// `sqlite` (the default: `DATA_DIR/keelson.db`).
-    pub store: String,
+    pub store: StoreChoice,
     /// A machine silent for this long is marked `Reachable=False`.
     pub unreachable_after: Duration,
     /// How often pool membership is re-checked (it is also checked on every change).
@@ -34,19 +34,25 @@ pub struct ServeOptions {
     pub api: ApiConfig,
 }
 
+#[derive(Debug, Clone)]
+pub enum StoreChoice {
+    /// `DATA_DIR/keelson.db`, the default.
+    Sqlite,
+    Etcd(EtcdOptions),
+}
+
 /// The admin credential file in the data directory.
 pub fn admin_conf_path(data_dir: &Path) -> PathBuf {
     data_dir.join("admin.conf")
 }
 
-fn open_store(opts: &ServeOptions) -> anyhow::Result<Arc<dyn Store>> {
-    match opts.store.as_str() {
-        "sqlite" => Ok(Arc::new(SqliteStore::open(&opts.data_dir.join("keelson.db"))?)),
-        other if other.starts_with("etcd://") => {
-            anyhow::bail!("--store {other}: the etcd store is not part of this release; use --store sqlite")
+async fn open_store(opts: &ServeOptions) -> anyhow::Result<Arc<dyn Store>> {
+    Ok(match &opts.store {
+        StoreChoice::Sqlite => Arc::new(SqliteStore::open(&opts.data_dir.join("keelson.db"))?),
+        StoreChoice::Etcd(etcd) => {
+            Arc::new(EtcdStore::open(etcd).await.with_context(|| format!("opening the etcd store at {}", etcd.endpoints.join(",")))?)
         }
-        other => anyhow::bail!("--store {other:?}: expected sqlite or etcd://HOST:PORT[,…]"),
-    }
+    })
 }
 
 /// The names the server certificate is valid for: the listen address (loopback and the
@@ -79,7 +85,7 @@ pub async fn run(opts: ServeOptions, cancel: CancellationToken) -> anyhow::Resul
         std::fs::set_permissions(&opts.data_dir, std::fs::Permissions::from_mode(0o700))
             .with_context(|| format!("restricting {}", opts.data_dir.display()))?;
     }
-    let store = open_store(&opts)?;
+    let store = open_store(&opts).await?;
     let (authority, created) = Authority::load_or_create(&opts.data_dir)?;
     if created {
         tracing::info!(path = %opts.data_dir.join("ca.crt").display(), "created a new certificate authority");

@@ -103,3 +103,45 @@ impl Drop for EtcdMember {
         self.kill();
     }
 }
+
+/// The etcd the controller's store tests run on: Debian's, as operators would.
+pub const STORE_VERSION: &str = "3.4.23";
+
+/// `n` plain-HTTP members started together as one new cluster (etcd's static bootstrap).
+pub fn start_cluster(root: &Path, version: &str, n: usize) -> Vec<EtcdMember> {
+    let mut members: Vec<EtcdMember> = (0..n).map(|i| EtcdMember::new(root, &format!("m{i}"), version)).collect();
+    let initial: Vec<String> = members.iter().map(EtcdMember::initial_cluster_entry).collect();
+    let initial = initial.join(",");
+    for m in &mut members {
+        m.start("new", &initial);
+    }
+    members
+}
+
+/// Waits until every plain-HTTP member answers healthy.
+pub async fn wait_serving(members: &[EtcdMember]) -> anyhow::Result<()> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let http = reqwest::Client::builder().timeout(std::time::Duration::from_secs(2)).build()?;
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+    for m in members {
+        loop {
+            let health = http.get(format!("{}/health", m.client_url)).send().await;
+            let body = match health {
+                Ok(r) => r.text().await.unwrap_or_default(),
+                Err(_) => String::new(),
+            };
+            if body.contains(r#""health":"true""#) {
+                break;
+            }
+            anyhow::ensure!(tokio::time::Instant::now() < deadline, "etcd {} not healthy after 30 s", m.name);
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    }
+    Ok(())
+}
+
+/// `--store etcd://…` for these members.
+pub fn store_url(members: &[EtcdMember]) -> String {
+    let hosts: Vec<&str> = members.iter().map(|m| m.client_url.trim_start_matches("http://").trim_start_matches("https://")).collect();
+    format!("etcd://{}", hosts.join(","))
+}

@@ -25,6 +25,81 @@ pub fn bin(name: &str) -> PathBuf {
     path
 }
 
+/// The store a test's controller runs on: SQLite in its data directory, or etcd members of
+/// the test's own on loopback (killed when this is dropped).
+#[derive(Debug)]
+pub enum TestStore {
+    Sqlite,
+    Etcd { members: Vec<etcd::EtcdMember>, _dir: tempfile::TempDir },
+}
+
+impl TestStore {
+    /// A new etcd cluster of `members` members, serving.
+    pub async fn etcd(members: usize) -> anyhow::Result<TestStore> {
+        let dir = tempfile::tempdir()?;
+        let members = etcd::start_cluster(dir.path(), etcd::STORE_VERSION, members);
+        etcd::wait_serving(&members).await?;
+        Ok(TestStore::Etcd { members, _dir: dir })
+    }
+
+    /// The controller's arguments for this store.
+    pub fn args(&self) -> Vec<String> {
+        match self {
+            TestStore::Sqlite => vec!["--store".into(), "sqlite".into()],
+            TestStore::Etcd { members, .. } => vec!["--store".into(), etcd::store_url(members)],
+        }
+    }
+
+    /// Every file the store keeps its data in, with its content (a controller with its data
+    /// in `data_dir`).
+    pub fn files(&self, data_dir: &Path) -> anyhow::Result<Vec<(PathBuf, Vec<u8>)>> {
+        let mut todo: Vec<PathBuf> = match self {
+            TestStore::Sqlite => vec![data_dir.join("keelson.db"), data_dir.join("keelson.db-wal")],
+            TestStore::Etcd { members, .. } => members.iter().map(|m| m.data_dir.clone()).collect(),
+        };
+        let mut files = Vec::new();
+        while let Some(path) = todo.pop() {
+            if path.is_dir() {
+                for entry in std::fs::read_dir(&path)? {
+                    todo.push(entry?.path());
+                }
+            } else if path.exists() {
+                files.push((path.clone(), std::fs::read(&path)?));
+            }
+        }
+        Ok(files)
+    }
+
+    /// Starts a controller with its data in `data_dir` on this store.
+    pub fn start(&self, data_dir: &Path, extra_args: &[&str]) -> anyhow::Result<Controller> {
+        let mut args = self.args();
+        args.extend(extra_args.iter().map(|a| a.to_string()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Controller::start(data_dir, &args)
+    }
+}
+
+/// Runs one async test body on both stores, as two tests `NAME::sqlite` and `NAME::etcd`
+/// (the latter on a single etcd member of its own); the body sees the store as `$store`.
+#[macro_export]
+macro_rules! on_both_stores {
+    ($(#[$attr:meta])* async fn $name:ident($store:ident) -> R $body:block) => {
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+            async fn body($store: &$crate::TestStore) -> R $body
+            $(#[$attr])*
+            async fn sqlite() -> R {
+                body(&$crate::TestStore::Sqlite).await
+            }
+            $(#[$attr])*
+            async fn etcd() -> R {
+                body(&$crate::TestStore::etcd(1).await?).await
+            }
+        }
+    };
+}
+
 /// A running controller. Dropping it kills the process.
 #[derive(Debug)]
 pub struct Controller {

@@ -4,6 +4,8 @@
 //! (compare-and-swap); several writes can commit atomically; lists go by key prefix; a watch
 //! replays every change after a revision, then follows new ones.
 
+pub mod etcd;
+mod mirror;
 pub mod sqlite;
 
 use std::sync::Arc;

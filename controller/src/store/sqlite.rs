@@ -8,32 +8,22 @@
 //! write is on disk and a reader never sees a write that could still be lost.
 //!
 //! Readers never touch SQLite: the committed state is kept in memory (a fleet of 10,000
-//! machines is tens of MiB), together with a bounded log of recent changes for watches.
+//! machines is tens of MiB), in the `Mirror` both stores share.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 
 use async_trait::async_trait;
 use rusqlite::{Connection, params};
-use tokio::sync::{broadcast, mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot};
 
+use super::mirror::Mirror;
 use super::{Change, Entry, Listing, Op, Precondition, Store, StoreError, Watch};
 
-/// How many recent changes a watch can replay from.
-const CHANGE_LOG_LEN: usize = 20_000;
-/// How many live changes a slow watcher may fall behind before it must re-list.
-const BROADCAST_CAPACITY: usize = 8_192;
 /// The most requests committed in one transaction.
 const MAX_BATCH: usize = 512;
 const SCHEMA_VERSION: i64 = 1;
-
-#[derive(Debug, Default)]
-struct Committed {
-    entries: BTreeMap<String, Entry>,
-    revision: u64,
-    log: VecDeque<Arc<Change>>,
-}
 
 struct Request {
     ops: Vec<Op>,
@@ -42,9 +32,8 @@ struct Request {
 
 #[derive(Debug)]
 pub struct SqliteStore {
-    committed: Arc<RwLock<Committed>>,
+    mirror: Arc<Mirror>,
     requests: mpsc::UnboundedSender<Request>,
-    changes: broadcast::Sender<Arc<Change>>,
 }
 
 impl std::fmt::Debug for Request {
@@ -91,7 +80,7 @@ impl SqliteStore {
             }
         }
         let revision: i64 = conn.query_row("SELECT value FROM meta WHERE name = 'revision'", [], |r| r.get(0)).map_err(backend)?;
-        let mut committed = Committed { revision: revision as u64, ..Committed::default() };
+        let mut entries = BTreeMap::new();
         {
             let mut stmt = conn.prepare("SELECT key, value, create_revision, mod_revision FROM kv").map_err(backend)?;
             let rows = stmt
@@ -106,34 +95,25 @@ impl SqliteStore {
                 .map_err(backend)?;
             for row in rows {
                 let entry = row.map_err(backend)?;
-                committed.entries.insert(entry.key.clone(), entry);
+                entries.insert(entry.key.clone(), entry);
             }
         }
-        let committed = Arc::new(RwLock::new(committed));
-        let (changes, _) = broadcast::channel(BROADCAST_CAPACITY);
+        let mirror = Arc::new(Mirror::new(entries, revision as u64));
         let (requests, queue) = mpsc::unbounded_channel();
-        let writer = Writer { conn, committed: committed.clone(), changes: changes.clone() };
+        let writer = Writer { conn, mirror: mirror.clone() };
         std::thread::Builder::new().name("store-writer".into()).spawn(move || writer.run(queue)).map_err(backend)?;
-        Ok(SqliteStore { committed, requests, changes })
-    }
-
-    fn read(&self) -> std::sync::RwLockReadGuard<'_, Committed> {
-        // A poisoned lock means the writer panicked mid-publish; the data on disk is still
-        // consistent, but this process cannot go on serving from memory.
-        self.committed.read().unwrap_or_else(|e| panic!("store state poisoned: {e}"))
+        Ok(SqliteStore { mirror, requests })
     }
 }
 
 #[async_trait]
 impl Store for SqliteStore {
     async fn get(&self, key: &str) -> Result<Option<Entry>, StoreError> {
-        Ok(self.read().entries.get(key).cloned())
+        Ok(self.mirror.get(key))
     }
 
     async fn list(&self, prefix: &str) -> Result<Listing, StoreError> {
-        let state = self.read();
-        let entries = state.entries.range(prefix.to_owned()..).take_while(|(k, _)| k.starts_with(prefix)).map(|(_, e)| e.clone()).collect();
-        Ok(Listing { entries, revision: state.revision })
+        Ok(self.mirror.list(prefix))
     }
 
     async fn txn(&self, ops: Vec<Op>) -> Result<u64, StoreError> {
@@ -143,28 +123,17 @@ impl Store for SqliteStore {
     }
 
     async fn watch(&self, prefix: &str, after: u64) -> Result<Watch, StoreError> {
-        // Subscribe while holding the read lock: the writer publishes under the write lock,
-        // so no change falls between the backlog and the live stream.
-        let state = self.read();
-        let live = self.changes.subscribe();
-        let oldest = state.log.front().map_or(state.revision + 1, |c| c.entry.mod_revision);
-        if after + 1 < oldest && after < state.revision {
-            return Err(StoreError::Compacted { requested: after, oldest });
-        }
-        let backlog =
-            state.log.iter().filter(|c| c.entry.mod_revision > after && c.entry.key.starts_with(prefix)).map(|c| (**c).clone()).collect();
-        Ok(Watch::new(prefix.to_owned(), backlog, live, after))
+        self.mirror.watch(prefix, after)
     }
 
     fn revision(&self) -> u64 {
-        self.read().revision
+        self.mirror.revision()
     }
 }
 
 struct Writer {
     conn: Connection,
-    committed: Arc<RwLock<Committed>>,
-    changes: broadcast::Sender<Arc<Change>>,
+    mirror: Arc<Mirror>,
 }
 
 impl Writer {
@@ -182,14 +151,14 @@ impl Writer {
     }
 
     fn commit_batch(&mut self, batch: Vec<Request>) {
-        let base_revision = self.committed.read().unwrap_or_else(|e| panic!("store state poisoned: {e}")).revision;
+        let base_revision = self.mirror.revision();
         // What each request changes, decided against the committed state and the earlier
         // requests of this batch.
         let mut overlay: HashMap<String, Option<Entry>> = HashMap::new();
         let mut outcomes: Vec<Result<(u64, Vec<Change>), StoreError>> = Vec::with_capacity(batch.len());
         let mut revision = base_revision;
         {
-            let state = self.committed.read().unwrap_or_else(|e| panic!("store state poisoned: {e}"));
+            let state = self.mirror.read();
             for request in &batch {
                 let current = |key: &str, overlay: &HashMap<String, Option<Entry>>| -> Option<Entry> {
                     match overlay.get(key) {
@@ -254,26 +223,7 @@ impl Writer {
             }
             return;
         }
-        {
-            let mut state = self.committed.write().unwrap_or_else(|e| panic!("store state poisoned: {e}"));
-            for (_, changes) in outcomes.iter().flatten() {
-                for change in changes {
-                    if change.deleted {
-                        state.entries.remove(&change.entry.key);
-                    } else {
-                        state.entries.insert(change.entry.key.clone(), change.entry.clone());
-                    }
-                    let change = Arc::new(change.clone());
-                    if state.log.len() == CHANGE_LOG_LEN {
-                        state.log.pop_front();
-                    }
-                    state.log.push_back(change.clone());
-                    // No receivers is not an error.
-                    let _ = self.changes.send(change);
-                }
-            }
-            state.revision = revision;
-        }
+        self.mirror.publish(outcomes.iter().flatten().flat_map(|(_, changes)| changes.iter().cloned()), revision);
         for (request, outcome) in batch.into_iter().zip(outcomes) {
             let _ = request.reply.send(outcome.map(|(rev, _)| rev));
         }
@@ -304,71 +254,13 @@ impl Writer {
 
 #[cfg(test)]
 mod tests {
+    //! What only SQLite does; the store contract both stores keep is checked in
+    //! `tests/tests/store.rs`.
     use super::*;
     use crate::store::StoreExt;
 
     fn open(dir: &tempfile::TempDir) -> SqliteStore {
         SqliteStore::open(&dir.path().join("keelson.db")).unwrap_or_else(|e| panic!("{e}"))
-    }
-
-    #[tokio::test]
-    async fn compare_and_swap_and_revisions() -> anyhow::Result<()> {
-        let dir = tempfile::tempdir()?;
-        let store = open(&dir);
-        let r1 = store.put("/a/1", b"one".to_vec(), Precondition::Absent).await?;
-        assert_eq!(r1, 1);
-        assert!(matches!(store.put("/a/1", b"x".to_vec(), Precondition::Absent).await, Err(StoreError::Conflict { .. })));
-        let r2 = store.put("/a/1", b"two".to_vec(), Precondition::Revision(r1)).await?;
-        assert_eq!(r2, 2);
-        assert!(matches!(
-            store.put("/a/1", b"x".to_vec(), Precondition::Revision(r1)).await,
-            Err(StoreError::Conflict { found: Some(2), .. })
-        ));
-        let e = store.get("/a/1").await?.ok_or_else(|| anyhow::anyhow!("missing"))?;
-        assert_eq!((&e.value[..], e.create_revision, e.mod_revision), (&b"two"[..], 1, 2));
-        store.put("/b/1", b"b".to_vec(), Precondition::None).await?;
-        let listing = store.list("/a/").await?;
-        assert_eq!(listing.entries.len(), 1);
-        assert_eq!(listing.revision, 3);
-        Ok(())
-    }
-
-    #[tokio::test]
-    async fn a_failed_precondition_writes_nothing_of_the_transaction() -> anyhow::Result<()> {
-        let dir = tempfile::tempdir()?;
-        let store = open(&dir);
-        store.put("/k", b"v".to_vec(), Precondition::None).await?;
-        let result = store
-            .txn(vec![
-                Op::Put { key: "/new".into(), value: b"x".to_vec(), precondition: Precondition::Absent },
-                Op::Put { key: "/k".into(), value: b"y".to_vec(), precondition: Precondition::Revision(99) },
-            ])
-            .await;
-        assert!(matches!(result, Err(StoreError::Conflict { .. })));
-        assert!(store.get("/new").await?.is_none());
-        assert_eq!(store.revision(), 1);
-        Ok(())
-    }
-
-    #[tokio::test]
-    async fn concurrent_writers_to_one_key_serialise() -> anyhow::Result<()> {
-        let dir = tempfile::tempdir()?;
-        let store = Arc::new(open(&dir));
-        let rev = store.put("/counter", b"0".to_vec(), Precondition::None).await?;
-        // 20 writers race with the same expected revision: exactly one wins.
-        let mut tasks = Vec::new();
-        for i in 0..20 {
-            let store = store.clone();
-            tasks.push(tokio::spawn(async move { store.put("/counter", format!("{i}").into_bytes(), Precondition::Revision(rev)).await }));
-        }
-        let mut wins = 0;
-        for t in tasks {
-            if t.await?.is_ok() {
-                wins += 1;
-            }
-        }
-        assert_eq!(wins, 1);
-        Ok(())
     }
 
     #[tokio::test]
@@ -384,23 +276,6 @@ mod tests {
         assert_eq!(store.revision(), 3);
         assert!(store.get("/x").await?.is_none());
         assert_eq!(store.get("/y").await?.map(|e| e.mod_revision), Some(2));
-        Ok(())
-    }
-
-    #[tokio::test]
-    async fn watch_replays_then_follows() -> anyhow::Result<()> {
-        let dir = tempfile::tempdir()?;
-        let store = open(&dir);
-        store.put("/m/a", b"1".to_vec(), Precondition::None).await?;
-        let r = store.put("/m/b", b"2".to_vec(), Precondition::None).await?;
-        store.put("/other", b"x".to_vec(), Precondition::None).await?;
-        let mut watch = store.watch("/m/", r - 1).await?;
-        let first = watch.next().await.ok_or_else(|| anyhow::anyhow!("closed"))??;
-        assert_eq!((first.entry.key.as_str(), first.entry.mod_revision), ("/m/b", 2));
-        store.delete("/m/a", Precondition::None).await?;
-        let second = watch.next().await.ok_or_else(|| anyhow::anyhow!("closed"))??;
-        assert!(second.deleted);
-        assert_eq!(second.entry.key, "/m/a");
         Ok(())
     }
 }

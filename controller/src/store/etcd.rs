@@ -1,0 +1,454 @@
+//! The store on an etcd cluster, for controllers that run as several replicas.
+//!
+//! Every key of the controller lives under one prefix (`/keelson` by default: the store key
+//! `/machines/a` is etcd's `/keelson/machines/a`), so a cluster can be shared with other users.
+//! Revisions are etcd's own: they grow with every write to the cluster, also outside the
+//! prefix, and each key's create and modification revisions are etcd's.
+//!
+//! Writes are etcd transactions: a store precondition becomes a compare on the key's create or
+//! modification revision, so compare-and-swap across replicas is etcd's, not ours. Reads and
+//! watches are served from the same in-memory `Mirror` the SQLite store uses, fed by one etcd
+//! watch on the prefix. A replica's mirror can trail etcd by the watch's delay, so every write
+//! (and every refused one) waits until the mirror holds its revision before it answers: a
+//! caller that writes and then reads sees its write, and one that lost a compare-and-swap
+//! re-reads at least what beat it.
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use etcd_client::{
+    Certificate, Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, Identity, KeyValue, TlsOptions, Txn, TxnOp,
+    TxnOpResponse, WatchOptions, WatchResponse,
+};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::mirror::Mirror;
+use super::{Change, Entry, Listing, Op, Precondition, Store, StoreError, Watch};
+
+/// The prefix when the operator names none.
+pub const DEFAULT_PREFIX: &str = "/keelson";
+/// How long a write waits for this replica's mirror to show it before asking etcd for the
+/// watch's progress (a refused write's revision may lie beyond the prefix's newest change).
+const MIRROR_QUICK_WAIT: Duration = Duration::from_millis(100);
+/// How long a write waits, in all, for the mirror to catch up with it.
+const MIRROR_WAIT: Duration = Duration::from_secs(30);
+/// Pause before the mirror's watch is opened again after it broke.
+const REWATCH_DELAY: Duration = Duration::from_millis(500);
+const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a request that could not reach a working member is sent again (an election
+/// takes about a second with etcd's defaults).
+const REQUEST_RETRY_FOR: Duration = Duration::from_secs(15);
+const RETRY_DELAY: Duration = Duration::from_millis(200);
+
+/// Client certificate files for an etcd that requires them.
+#[derive(Debug, Clone)]
+pub struct EtcdTlsFiles {
+    pub ca: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+#[derive(Debug, Clone)]
+pub struct EtcdOptions {
+    /// `http://HOST:PORT` or `https://HOST:PORT`, one per member.
+    pub endpoints: Vec<String>,
+    pub tls: Option<EtcdTlsFiles>,
+    pub prefix: String,
+}
+
+impl EtcdOptions {
+    /// Reads `etcd://HOST:PORT[,HOST:PORT…]`; with `tls` the endpoints are https.
+    pub fn parse(url: &str, tls: Option<EtcdTlsFiles>, prefix: &str) -> Result<Self, String> {
+        let hosts = url.strip_prefix("etcd://").ok_or_else(|| format!("--store {url:?}: expected etcd://HOST:PORT[,HOST:PORT…]"))?;
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let mut endpoints = Vec::new();
+        for host in hosts.split(',') {
+            let port = host.rsplit_once(':').map(|(h, p)| (h, p.parse::<u16>()));
+            match port {
+                Some((h, Ok(p))) if !h.is_empty() && p != 0 && !h.contains('/') => endpoints.push(format!("{scheme}://{host}")),
+                _ => return Err(format!("--store {url:?}: {host:?} is not HOST:PORT")),
+            }
+        }
+        if !prefix.starts_with('/') || prefix.ends_with('/') || prefix.len() < 2 {
+            return Err(format!("--etcd-prefix {prefix:?}: must start with / and not end with one (as /keelson)"));
+        }
+        Ok(EtcdOptions { endpoints, tls, prefix: prefix.to_owned() })
+    }
+}
+
+pub struct EtcdStore {
+    client: Client,
+    /// `prefix`: store keys are appended to it.
+    prefix: String,
+    mirror: Arc<Mirror>,
+    /// Asks the mirror's watch to have etcd report its progress.
+    progress: mpsc::Sender<()>,
+    stop: CancellationToken,
+}
+
+impl std::fmt::Debug for EtcdStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdStore").field("prefix", &self.prefix).field("revision", &self.mirror.revision()).finish_non_exhaustive()
+    }
+}
+
+impl Drop for EtcdStore {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+fn backend(e: impl std::fmt::Display) -> StoreError {
+    StoreError::Backend(format!("etcd: {e}"))
+}
+
+fn revision_of(r: i64) -> u64 {
+    u64::try_from(r).unwrap_or(0)
+}
+
+impl EtcdStore {
+    /// Connects, reads everything under the prefix and starts following it.
+    pub async fn open(options: &EtcdOptions) -> Result<Self, StoreError> {
+        let mut connect = ConnectOptions::new()
+            .with_connect_timeout(DIAL_TIMEOUT)
+            .with_timeout(REQUEST_TIMEOUT)
+            .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5))
+            // A member cut off from the others ends our watch instead of going silent.
+            .with_require_leader(true);
+        if let Some(files) = &options.tls {
+            let read = |p: &PathBuf| std::fs::read(p).map_err(|e| StoreError::Backend(format!("reading {}: {e}", p.display())));
+            let tls = TlsOptions::new()
+                .ca_certificate(Certificate::from_pem(read(&files.ca)?))
+                .identity(Identity::from_pem(read(&files.cert)?, read(&files.key)?));
+            connect = connect.with_tls(tls);
+        }
+        let client = Client::connect(&options.endpoints, Some(connect)).await.map_err(backend)?;
+        let prefix = options.prefix.clone();
+        let (entries, revision) = list_all(&client, &prefix).await?;
+        let mirror = Arc::new(Mirror::new(entries, revision));
+        let (progress, progress_requests) = mpsc::channel(1);
+        let stop = CancellationToken::new();
+        let follower = Follower { client: client.clone(), prefix: prefix.clone(), mirror: mirror.clone() };
+        tokio::spawn(follower.run(progress_requests, stop.clone()));
+        Ok(EtcdStore { client, prefix, mirror, progress, stop })
+    }
+
+    fn etcd_key(&self, key: &str) -> Result<String, StoreError> {
+        if !key.starts_with('/') {
+            return Err(StoreError::Backend(format!("store key {key:?} does not start with /")));
+        }
+        Ok(format!("{}{key}", self.prefix))
+    }
+
+    /// Sends `txn`, again on a transport failure or a member without a leader, for up to
+    /// `REQUEST_RETRY_FOR`; says whether it was sent more than once.
+    async fn send(&self, txn: Txn) -> Result<(etcd_client::TxnResponse, bool), StoreError> {
+        let deadline = tokio::time::Instant::now() + REQUEST_RETRY_FOR;
+        let mut retried = false;
+        loop {
+            match self.client.kv_client().txn(txn.clone()).await {
+                Ok(response) => return Ok((response, retried)),
+                Err(e) if retryable(&e) && tokio::time::Instant::now() < deadline => {
+                    tracing::debug!(error = %e, "etcd transaction failed; sending it again");
+                    retried = true;
+                    tokio::time::sleep(RETRY_DELAY).await;
+                }
+                Err(e) => return Err(backend(e)),
+            }
+        }
+    }
+
+    /// Waits until this replica's mirror holds `revision`.
+    async fn catch_up(&self, revision: u64) {
+        if self.mirror.caught_up(revision, MIRROR_QUICK_WAIT).await {
+            return;
+        }
+        // The revision may belong to a write outside the prefix: only a progress report
+        // moves the mirror there. A request already queued does as well.
+        let _ = self.progress.try_send(());
+        if !self.mirror.caught_up(revision, MIRROR_WAIT).await {
+            tracing::warn!(revision, seen = self.mirror.revision(), "the etcd watch has not caught up with a write; reads may trail it");
+        }
+    }
+}
+
+/// Whether etcd holds exactly what `ops` write (`found`: each op's key as read), and at
+/// which revision.
+fn applied(ops: &[Op], found: &[Option<KeyValue>]) -> Option<u64> {
+    let mut at = None;
+    for (op, kv) in ops.iter().zip(found) {
+        match (op, kv) {
+            (Op::Put { value, .. }, Some(kv)) if kv.value() == value.as_slice() => {
+                at = at.max(Some(revision_of(kv.mod_revision())));
+            }
+            (Op::Delete { .. }, None) => {}
+            _ => return None,
+        }
+    }
+    at
+}
+
+/// Whether a request may be sent again: it did not reach a member that could answer (a
+/// member gone, no leader, a timeout). Whether the first try was applied is then unknown.
+fn retryable(e: &etcd_client::Error) -> bool {
+    use tonic::Code;
+    match e {
+        etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => true,
+        etcd_client::Error::GRpcStatus(status) => match status.code() {
+            Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled => true,
+            Code::Unknown => status.message().contains("transport error"),
+            _ => false,
+        },
+        _ => false,
+    }
+}
+
+/// Everything under `prefix` and the revision it was read at.
+async fn list_all(client: &Client, prefix: &str) -> Result<(BTreeMap<String, Entry>, u64), StoreError> {
+    let response = client.kv_client().get(format!("{prefix}/"), Some(GetOptions::new().with_prefix())).await.map_err(backend)?;
+    let revision = revision_of(response.header().map_or(0, |h| h.revision()));
+    let mut entries = BTreeMap::new();
+    for kv in response.kvs() {
+        let entry = entry(prefix, kv)?;
+        entries.insert(entry.key.clone(), entry);
+    }
+    Ok((entries, revision))
+}
+
+fn entry(prefix: &str, kv: &KeyValue) -> Result<Entry, StoreError> {
+    let key = kv.key_str().map_err(backend)?;
+    let key = key.strip_prefix(prefix).ok_or_else(|| StoreError::Backend(format!("etcd key {key:?} is not under {prefix}")))?;
+    Ok(Entry {
+        key: key.to_owned(),
+        value: Arc::from(kv.value()),
+        create_revision: revision_of(kv.create_revision()),
+        mod_revision: revision_of(kv.mod_revision()),
+    })
+}
+
+fn compare(etcd_key: &str, precondition: Precondition) -> Option<Compare> {
+    match precondition {
+        Precondition::None => None,
+        Precondition::Absent => Some(Compare::create_revision(etcd_key, CompareOp::Equal, 0)),
+        Precondition::Exists => Some(Compare::create_revision(etcd_key, CompareOp::Greater, 0)),
+        Precondition::Revision(r) => Some(Compare::mod_revision(etcd_key, CompareOp::Equal, i64::try_from(r).unwrap_or(i64::MAX))),
+    }
+}
+
+fn holds(precondition: Precondition, found: Option<u64>) -> bool {
+    match precondition {
+        Precondition::None => true,
+        Precondition::Absent => found.is_none(),
+        Precondition::Exists => found.is_some(),
+        Precondition::Revision(r) => found == Some(r),
+    }
+}
+
+#[async_trait]
+impl Store for EtcdStore {
+    async fn get(&self, key: &str) -> Result<Option<Entry>, StoreError> {
+        Ok(self.mirror.get(key))
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Listing, StoreError> {
+        Ok(self.mirror.list(prefix))
+    }
+
+    async fn txn(&self, ops: Vec<Op>) -> Result<u64, StoreError> {
+        let mut seen = HashSet::new();
+        if let Some(op) = ops.iter().find(|op| !seen.insert(op.key())) {
+            // etcd refuses a transaction that writes one key twice.
+            return Err(StoreError::Backend(format!("{} is written twice in one transaction", op.key())));
+        }
+        let mut compares = Vec::new();
+        let mut writes = Vec::new();
+        // When refused, the transaction reads every key it would have written instead.
+        let mut reads = Vec::new();
+        for op in &ops {
+            let (key, precondition) = match op {
+                Op::Put { key, precondition, .. } | Op::Delete { key, precondition } => (key, *precondition),
+            };
+            let etcd_key = self.etcd_key(key)?;
+            compares.extend(compare(&etcd_key, precondition));
+            reads.push(TxnOp::get(etcd_key.clone(), None));
+            writes.push(match op {
+                Op::Put { value, .. } => TxnOp::put(etcd_key, value.clone(), None),
+                Op::Delete { .. } => TxnOp::delete(etcd_key, None),
+            });
+        }
+        let txn = Txn::new().when(compares).and_then(writes).or_else(reads);
+        let (response, retried) = self.send(txn).await?;
+        let revision = revision_of(response.header().map_or(0, |h| h.revision()));
+        if response.succeeded() {
+            self.catch_up(revision).await;
+            return Ok(revision);
+        }
+        let found: Vec<Option<KeyValue>> = response
+            .op_responses()
+            .into_iter()
+            .map(|read| match read {
+                TxnOpResponse::Get(get) => get.kvs().first().cloned(),
+                _ => None,
+            })
+            .collect();
+        // A try that etcd may have applied before its answer was lost leaves exactly what
+        // this transaction writes: then the retry's refusal is that try's success.
+        if retried && let Some(applied_at) = applied(&ops, &found) {
+            self.catch_up(applied_at).await;
+            return Ok(applied_at);
+        }
+        // Refused: say which precondition failed, from what etcd read in the same transaction.
+        let failed = ops.iter().zip(&found).find_map(|(op, kv)| {
+            let precondition = match op {
+                Op::Put { precondition, .. } | Op::Delete { precondition, .. } => *precondition,
+            };
+            let found = kv.as_ref().map(|kv| revision_of(kv.mod_revision()));
+            (!holds(precondition, found)).then(|| StoreError::Conflict { key: op.key().to_owned(), expected: precondition, found })
+        });
+        self.catch_up(revision).await;
+        Err(failed.unwrap_or_else(|| StoreError::Backend("etcd refused the transaction but every precondition holds".into())))
+    }
+
+    async fn watch(&self, prefix: &str, after: u64) -> Result<Watch, StoreError> {
+        self.mirror.watch(prefix, after)
+    }
+
+    fn revision(&self) -> u64 {
+        self.mirror.revision()
+    }
+}
+
+/// Keeps the mirror up to date with one etcd watch on the prefix, opened again from the
+/// mirror's revision whenever it breaks.
+struct Follower {
+    client: Client,
+    prefix: String,
+    mirror: Arc<Mirror>,
+}
+
+/// Why a watch ended.
+enum Ended {
+    Stopped,
+    /// etcd no longer has the revisions after ours: list again.
+    Compacted,
+    Broken(String),
+}
+
+impl Follower {
+    async fn run(self, mut progress: mpsc::Receiver<()>, stop: CancellationToken) {
+        loop {
+            match self.follow(&mut progress, &stop).await {
+                Ended::Stopped => return,
+                Ended::Compacted => {
+                    if let Err(e) = self.relist().await {
+                        tracing::warn!(error = %e, "listing the etcd store again failed");
+                    }
+                }
+                Ended::Broken(e) => tracing::warn!(error = %e, revision = self.mirror.revision(), "the etcd watch broke; opening it again"),
+            }
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(REWATCH_DELAY) => {}
+            }
+        }
+    }
+
+    async fn follow(&self, progress: &mut mpsc::Receiver<()>, stop: &CancellationToken) -> Ended {
+        let from = self.mirror.revision() + 1;
+        let options = WatchOptions::new().with_prefix().with_prev_key().with_start_revision(i64::try_from(from).unwrap_or(i64::MAX));
+        let mut stream = match self.client.watch_client().watch(format!("{}/", self.prefix), Some(options)).await {
+            Ok(s) => s,
+            Err(e) => return Ended::Broken(e.to_string()),
+        };
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return Ended::Stopped,
+                Some(()) = progress.recv() => {
+                    if let Err(e) = stream.request_progress().await {
+                        return Ended::Broken(e.to_string());
+                    }
+                }
+                message = stream.message() => match message {
+                    Ok(Some(response)) => {
+                        if response.compact_revision() > 0 {
+                            return Ended::Compacted;
+                        }
+                        if response.canceled() {
+                            return Ended::Broken(format!("etcd cancelled the watch: {}", response.cancel_reason()));
+                        }
+                        if let Err(e) = self.apply(&response) {
+                            return Ended::Broken(e.to_string());
+                        }
+                    }
+                    Ok(None) => return Ended::Broken("the watch stream ended".into()),
+                    Err(e) => return Ended::Broken(e.to_string()),
+                },
+            }
+        }
+    }
+
+    fn apply(&self, response: &WatchResponse) -> Result<(), StoreError> {
+        let events = response.events();
+        if events.is_empty() {
+            // A progress report: every change up to its revision has been delivered.
+            if !response.created()
+                && let Some(header) = response.header()
+            {
+                self.mirror.publish([], revision_of(header.revision()));
+            }
+            return Ok(());
+        }
+        let mut changes = Vec::with_capacity(events.len());
+        let mut revision = 0;
+        for event in events {
+            let kv = event.kv().ok_or_else(|| backend("a watch event without a key"))?;
+            let change = match event.event_type() {
+                EventType::Put => Change { deleted: false, entry: entry(&self.prefix, kv)? },
+                EventType::Delete => {
+                    let deleted_at = revision_of(kv.mod_revision());
+                    let mut before = match event.prev_kv() {
+                        Some(prev) => entry(&self.prefix, prev)?,
+                        None => {
+                            let key = entry(&self.prefix, kv)?.key;
+                            self.mirror.get(&key).unwrap_or(Entry { key, value: Arc::from(&[][..]), create_revision: 0, mod_revision: 0 })
+                        }
+                    };
+                    before.mod_revision = deleted_at;
+                    Change { deleted: true, entry: before }
+                }
+            };
+            revision = revision.max(change.entry.mod_revision);
+            changes.push(change);
+        }
+        self.mirror.publish(changes, revision);
+        Ok(())
+    }
+
+    /// After a compaction took the revisions the watch needed: the differences between the
+    /// mirror and a fresh listing become changes, so watchers still see every key's end state.
+    async fn relist(&self) -> Result<(), StoreError> {
+        let (entries, revision) = list_all(&self.client, &self.prefix).await?;
+        let mut changes = Vec::new();
+        {
+            let state = self.mirror.read();
+            for (key, old) in &state.entries {
+                if !entries.contains_key(key) {
+                    changes.push(Change { deleted: true, entry: Entry { mod_revision: revision, ..old.clone() } });
+                }
+            }
+            for (key, new) in &entries {
+                if state.entries.get(key) != Some(new) {
+                    changes.push(Change { deleted: false, entry: new.clone() });
+                }
+            }
+        }
+        changes.sort_by_key(|c| c.entry.mod_revision);
+        self.mirror.publish(changes, revision);
+        Ok(())
+    }
+}

@@ -1,0 +1,110 @@
+//! The committed state in memory, which both stores serve reads and watches from: every
+//! entry, the newest revision, a bounded log of recent changes for watches to replay, and a
+//! broadcast of new changes. A store publishes into it only what is durable (SQLite after its
+//! commit, etcd as its watch reports it), so a reader never sees a write that could be lost.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, RwLock, RwLockReadGuard};
+use std::time::Duration;
+
+use tokio::sync::{broadcast, watch};
+
+use super::{Change, Entry, Listing, StoreError, Watch};
+
+/// How many recent changes a watch can replay from.
+const CHANGE_LOG_LEN: usize = 20_000;
+/// How many live changes a slow watcher may fall behind before it must re-list.
+const BROADCAST_CAPACITY: usize = 8_192;
+
+#[derive(Debug, Default)]
+pub(crate) struct Committed {
+    pub entries: BTreeMap<String, Entry>,
+    pub revision: u64,
+    log: VecDeque<Arc<Change>>,
+}
+
+#[derive(Debug)]
+pub(crate) struct Mirror {
+    state: RwLock<Committed>,
+    changes: broadcast::Sender<Arc<Change>>,
+    /// The revision published last, for writers waiting until their write is visible.
+    published: watch::Sender<u64>,
+}
+
+impl Mirror {
+    pub fn new(entries: BTreeMap<String, Entry>, revision: u64) -> Self {
+        let (changes, _) = broadcast::channel(BROADCAST_CAPACITY);
+        Mirror {
+            state: RwLock::new(Committed { entries, revision, log: VecDeque::new() }),
+            changes,
+            published: watch::Sender::new(revision),
+        }
+    }
+
+    pub fn read(&self) -> RwLockReadGuard<'_, Committed> {
+        // A poisoned lock means a publisher panicked mid-update: the durable copy is still
+        // consistent, but this process cannot go on serving from memory.
+        self.state.read().unwrap_or_else(|e| panic!("store state poisoned: {e}"))
+    }
+
+    pub fn get(&self, key: &str) -> Option<Entry> {
+        self.read().entries.get(key).cloned()
+    }
+
+    pub fn list(&self, prefix: &str) -> Listing {
+        let state = self.read();
+        let entries = state.entries.range(prefix.to_owned()..).take_while(|(k, _)| k.starts_with(prefix)).map(|(_, e)| e.clone()).collect();
+        Listing { entries, revision: state.revision }
+    }
+
+    pub fn revision(&self) -> u64 {
+        self.read().revision
+    }
+
+    pub fn watch(&self, prefix: &str, after: u64) -> Result<Watch, StoreError> {
+        // Subscribe while holding the read lock: publishing takes the write lock, so no
+        // change falls between the backlog and the live stream.
+        let state = self.read();
+        let live = self.changes.subscribe();
+        let oldest = state.log.front().map_or(state.revision + 1, |c| c.entry.mod_revision);
+        if after + 1 < oldest && after < state.revision {
+            return Err(StoreError::Compacted { requested: after, oldest });
+        }
+        let backlog =
+            state.log.iter().filter(|c| c.entry.mod_revision > after && c.entry.key.starts_with(prefix)).map(|c| (**c).clone()).collect();
+        Ok(Watch::new(prefix.to_owned(), backlog, live, after))
+    }
+
+    /// Applies committed `changes` (in revision order) and moves the revision to `revision`.
+    pub fn publish(&self, changes: impl IntoIterator<Item = Change>, revision: u64) {
+        {
+            let mut state = self.state.write().unwrap_or_else(|e| panic!("store state poisoned: {e}"));
+            for change in changes {
+                if change.deleted {
+                    state.entries.remove(&change.entry.key);
+                } else {
+                    state.entries.insert(change.entry.key.clone(), change.entry.clone());
+                }
+                let change = Arc::new(change);
+                if state.log.len() == CHANGE_LOG_LEN {
+                    state.log.pop_front();
+                }
+                state.log.push_back(change.clone());
+                // No receivers is not an error.
+                let _ = self.changes.send(change);
+            }
+            state.revision = state.revision.max(revision);
+        }
+        self.published.send_if_modified(|r| {
+            let moved = revision > *r;
+            *r = (*r).max(revision);
+            moved
+        });
+    }
+
+    /// Waits until everything up to `revision` is published, or `limit` passes; says which.
+    pub async fn caught_up(&self, revision: u64, limit: Duration) -> bool {
+        let mut published = self.published.subscribe();
+        tokio::time::timeout(limit, published.wait_for(|r| *r >= revision)).await.is_ok_and(|r| r.is_ok())
+    }
+}

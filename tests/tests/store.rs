@@ -1,0 +1,251 @@
+//! The controller's `Store` contract, checked the same way on both stores: SQLite in a
+//! temporary directory and etcd (Debian's 3.4.23, members of the test's own on loopback).
+//! Then what only several replicas on one etcd show: compare-and-swap across replicas loses
+//! no update, each replica's watch sees the others' writes, and a dead member changes nothing.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, anyhow, bail};
+use keelson_controller::store::etcd::{DEFAULT_PREFIX, EtcdOptions, EtcdStore};
+use keelson_controller::store::sqlite::SqliteStore;
+use keelson_controller::store::{Op, Precondition, Store, StoreError, StoreExt};
+use keelson_tests::etcd::{self, EtcdMember};
+
+type R = anyhow::Result<()>;
+
+/// A store under test and what keeps it alive.
+struct Subject {
+    store: Arc<dyn Store>,
+    _dir: tempfile::TempDir,
+    _members: Vec<EtcdMember>,
+}
+
+async fn sqlite() -> anyhow::Result<Subject> {
+    let dir = tempfile::tempdir()?;
+    let store = SqliteStore::open(&dir.path().join("keelson.db"))?;
+    Ok(Subject { store: Arc::new(store), _dir: dir, _members: Vec::new() })
+}
+
+async fn open_etcd(members: &[EtcdMember], prefix: &str) -> anyhow::Result<EtcdStore> {
+    let options = EtcdOptions::parse(&etcd::store_url(members), None, prefix).map_err(|e| anyhow!(e))?;
+    Ok(EtcdStore::open(&options).await?)
+}
+
+async fn etcd_store() -> anyhow::Result<Subject> {
+    let dir = tempfile::tempdir()?;
+    let members = etcd::start_cluster(dir.path(), etcd::STORE_VERSION, 1);
+    etcd::wait_serving(&members).await?;
+    let store = open_etcd(&members, DEFAULT_PREFIX).await?;
+    Ok(Subject { store: Arc::new(store), _dir: dir, _members: members })
+}
+
+async fn next_change(watch: &mut keelson_controller::store::Watch) -> anyhow::Result<keelson_controller::store::Change> {
+    let change = tokio::time::timeout(Duration::from_secs(10), watch.next()).await.context("no change within 10 s")?;
+    Ok(change.ok_or_else(|| anyhow!("the watch ended"))??)
+}
+
+async fn compare_and_swap_and_revisions(store: &dyn Store) -> R {
+    let r1 = store.put("/a/1", b"one".to_vec(), Precondition::Absent).await?;
+    assert!(matches!(
+        store.put("/a/1", b"x".to_vec(), Precondition::Absent).await,
+        Err(StoreError::Conflict { ref key, found: Some(f), .. }) if key == "/a/1" && f == r1
+    ));
+    let r2 = store.put("/a/1", b"two".to_vec(), Precondition::Revision(r1)).await?;
+    assert!(r2 > r1, "{r2} after {r1}");
+    assert!(matches!(
+        store.put("/a/1", b"x".to_vec(), Precondition::Revision(r1)).await,
+        Err(StoreError::Conflict { found: Some(f), .. }) if f == r2
+    ));
+    let e = store.get("/a/1").await?.context("/a/1 missing")?;
+    assert_eq!((&e.value[..], e.create_revision, e.mod_revision), (&b"two"[..], r1, r2));
+    // Lists go by prefix: /ab/ is not under /a/.
+    let r3 = store.put("/ab/1", b"b".to_vec(), Precondition::None).await?;
+    let listing = store.list("/a/").await?;
+    assert_eq!(listing.entries.iter().map(|e| e.key.as_str()).collect::<Vec<_>>(), ["/a/1"]);
+    assert!(listing.revision >= r3, "listing at {} after a write at {r3}", listing.revision);
+    assert_eq!(store.revision(), listing.revision);
+    // Exists and Absent on deletes.
+    assert!(matches!(store.delete("/a/none", Precondition::Exists).await, Err(StoreError::Conflict { found: None, .. })));
+    store.delete("/a/1", Precondition::Revision(r2)).await?;
+    assert!(store.get("/a/1").await?.is_none());
+    Ok(())
+}
+
+async fn a_failed_precondition_writes_nothing_of_the_transaction(store: &dyn Store) -> R {
+    let before = store.put("/k", b"v".to_vec(), Precondition::None).await?;
+    let result = store
+        .txn(vec![
+            Op::Put { key: "/new".into(), value: b"x".to_vec(), precondition: Precondition::Absent },
+            Op::Put { key: "/k".into(), value: b"y".to_vec(), precondition: Precondition::Revision(before + 1000) },
+        ])
+        .await;
+    assert!(matches!(result, Err(StoreError::Conflict { ref key, found: Some(f), .. }) if key == "/k" && f == before), "{result:?}");
+    assert!(store.get("/new").await?.is_none());
+    assert_eq!(store.get("/k").await?.map(|e| e.mod_revision), Some(before));
+    // Several writes that pass commit at one revision.
+    let at = store
+        .txn(vec![
+            Op::Put { key: "/t/1".into(), value: b"1".to_vec(), precondition: Precondition::Absent },
+            Op::Put { key: "/t/2".into(), value: b"2".to_vec(), precondition: Precondition::Absent },
+            Op::Delete { key: "/k".into(), precondition: Precondition::Revision(before) },
+        ])
+        .await?;
+    let listing = store.list("/t/").await?;
+    assert!(listing.entries.iter().all(|e| e.mod_revision == at), "{listing:?}");
+    assert!(store.get("/k").await?.is_none());
+    Ok(())
+}
+
+async fn concurrent_writers_to_one_key_serialise(store: Arc<dyn Store>) -> R {
+    let rev = store.put("/counter", b"0".to_vec(), Precondition::None).await?;
+    // 20 writers race with the same expected revision: exactly one wins.
+    let mut tasks = Vec::new();
+    for i in 0..20 {
+        let store = store.clone();
+        tasks.push(tokio::spawn(async move { store.put("/counter", format!("{i}").into_bytes(), Precondition::Revision(rev)).await }));
+    }
+    let mut wins = 0;
+    for t in tasks {
+        match t.await? {
+            Ok(_) => wins += 1,
+            Err(StoreError::Conflict { .. }) => {}
+            Err(e) => bail!("a racing writer failed otherwise: {e}"),
+        }
+    }
+    assert_eq!(wins, 1);
+    Ok(())
+}
+
+async fn watch_replays_then_follows(store: &dyn Store) -> R {
+    store.put("/m/a", b"1".to_vec(), Precondition::None).await?;
+    let r = store.put("/m/b", b"2".to_vec(), Precondition::None).await?;
+    store.put("/other", b"x".to_vec(), Precondition::None).await?;
+    let mut watch = store.watch("/m/", r - 1).await?;
+    let first = next_change(&mut watch).await?;
+    assert_eq!((first.entry.key.as_str(), first.entry.mod_revision, first.deleted), ("/m/b", r, false));
+    let deleted_at = store.delete("/m/a", Precondition::None).await?;
+    let second = next_change(&mut watch).await?;
+    assert!(second.deleted);
+    // A delete carries the value the key had, at the revision of the delete.
+    assert_eq!((second.entry.key.as_str(), &second.entry.value[..], second.entry.mod_revision), ("/m/a", &b"1"[..], deleted_at));
+    Ok(())
+}
+
+async fn the_contract(subject: Subject) -> R {
+    let store = subject.store.clone();
+    compare_and_swap_and_revisions(&*store).await.context("compare-and-swap and revisions")?;
+    a_failed_precondition_writes_nothing_of_the_transaction(&*store).await.context("transactions")?;
+    concurrent_writers_to_one_key_serialise(store.clone()).await.context("racing writers")?;
+    watch_replays_then_follows(&*store).await.context("watch")?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sqlite_store_keeps_the_contract() -> R {
+    the_contract(sqlite().await?).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_etcd_store_keeps_the_contract() -> R {
+    the_contract(etcd_store().await?).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replicas_on_one_etcd_lose_no_update_and_see_each_others_writes() -> R {
+    let dir = tempfile::tempdir()?;
+    let mut members = etcd::start_cluster(dir.path(), etcd::STORE_VERSION, 3);
+    etcd::wait_serving(&members).await?;
+    let a: Arc<dyn Store> = Arc::new(open_etcd(&members, "/fleet").await?);
+    let b: Arc<dyn Store> = Arc::new(open_etcd(&members, "/fleet").await?);
+    // Another controller's keys under another prefix stay out of sight.
+    let stranger = open_etcd(&members, "/fleet-2").await?;
+    stranger.put("/machines/x", b"x".to_vec(), Precondition::None).await?;
+
+    let mut watch_b = b.watch("/counter", b.revision()).await?;
+    // Two replicas, 4 writers each, 25 increments per writer through compare-and-swap.
+    a.put("/counter", b"0".to_vec(), Precondition::Absent).await?;
+    // Replica b sees a's write once its watch delivers it.
+    let seen = next_change(&mut watch_b).await?;
+    assert_eq!((seen.entry.key.as_str(), &seen.entry.value[..]), ("/counter", &b"0"[..]));
+    let mut writers = Vec::new();
+    for replica in [a.clone(), b.clone()] {
+        for _ in 0..4 {
+            let store = replica.clone();
+            writers.push(tokio::spawn(async move {
+                let mut conflicts = 0u32;
+                for _ in 0..25 {
+                    loop {
+                        let current = store.get("/counter").await?.context("counter missing")?;
+                        let n: u64 = std::str::from_utf8(&current.value)?.parse()?;
+                        match store.put("/counter", (n + 1).to_string().into_bytes(), Precondition::Revision(current.mod_revision)).await {
+                            Ok(_) => break,
+                            Err(StoreError::Conflict { .. }) => conflicts += 1,
+                            Err(e) => return Err(anyhow!(e)),
+                        }
+                    }
+                }
+                anyhow::Ok(conflicts)
+            }));
+        }
+    }
+    let mut conflicts = 0;
+    for w in writers {
+        conflicts += w.await??;
+    }
+    // Each replica reads from its own watch-fed copy, which may trail the other replica's
+    // last write by the watch's delay, but never settles anywhere short of every increment.
+    for (name, store) in [("a", &a), ("b", &b)] {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let value = store.get("/counter").await?.context("counter missing")?;
+            if &value.value[..] == b"200" {
+                break;
+            }
+            let shown = String::from_utf8_lossy(&value.value).into_owned();
+            assert!(tokio::time::Instant::now() < deadline, "replica {name} shows {shown} after {conflicts} conflicts");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    assert!(conflicts > 0, "the writers never raced");
+    // Replica b's watch saw every one of the 200 increments, in order.
+    let mut last = seen.entry.mod_revision;
+    for i in 0..200 {
+        let change = next_change(&mut watch_b).await?;
+        assert!(change.entry.mod_revision > last, "change {i} at {} after {last}", change.entry.mod_revision);
+        last = change.entry.mod_revision;
+    }
+    assert!(a.list("/machines/").await?.entries.is_empty());
+
+    // One member dies: both replicas go on writing and reading each other's writes.
+    members[0].kill();
+    let mut seen_by_b = b.watch("/after-kill/", b.revision()).await?;
+    for i in 0..10 {
+        a.put(&format!("/after-kill/{i}"), b"v".to_vec(), Precondition::Absent)
+            .await
+            .with_context(|| format!("write {i} after the kill"))?;
+    }
+    for _ in 0..10 {
+        next_change(&mut seen_by_b).await?;
+    }
+    assert_eq!(b.list("/after-kill/").await?.entries.len(), 10);
+    Ok(())
+}
+
+#[tokio::test]
+async fn bad_etcd_store_urls_are_refused_with_the_flag_named() {
+    for (url, prefix, says) in [
+        ("etcd://", DEFAULT_PREFIX, "is not HOST:PORT"),
+        ("etcd://127.0.0.1", DEFAULT_PREFIX, "is not HOST:PORT"),
+        ("etcd://127.0.0.1:0", DEFAULT_PREFIX, "is not HOST:PORT"),
+        ("etcd://127.0.0.1:2379,", DEFAULT_PREFIX, "is not HOST:PORT"),
+        ("etcd://127.0.0.1:2379", "keelson", "--etcd-prefix"),
+        ("etcd://127.0.0.1:2379", "/keelson/", "--etcd-prefix"),
+        ("http://127.0.0.1:2379", DEFAULT_PREFIX, "expected etcd://"),
+    ] {
+        let e = EtcdOptions::parse(url, None, prefix).err().unwrap_or_else(|| panic!("{url} {prefix} accepted"));
+        assert!(e.contains(says), "{url} {prefix}: {e}");
+    }
+    let ok = EtcdOptions::parse("etcd://10.0.0.1:2379,etcd-2.example:2379", None, DEFAULT_PREFIX).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(ok.endpoints, ["http://10.0.0.1:2379", "http://etcd-2.example:2379"]);
+}
