@@ -1,8 +1,10 @@
 //! The controller's `Store` contract, checked the same way on both stores: SQLite in a
 //! temporary directory and etcd (Debian's 3.4.23, members of the test's own on loopback).
+//! Over TLS, etcd takes only a client certificate of its CA.
 //! Then what only several replicas on one etcd show: compare-and-swap across replicas loses
 //! no update, each replica's watch sees the others' writes, and a dead member changes nothing.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -248,4 +250,56 @@ async fn bad_etcd_store_urls_are_refused_with_the_flag_named() {
     }
     let ok = EtcdOptions::parse("etcd://10.0.0.1:2379,etcd-2.example:2379", None, DEFAULT_PREFIX).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(ok.endpoints, ["http://10.0.0.1:2379", "http://etcd-2.example:2379"]);
+}
+
+/// Writes a new key as `dir/NAME.key` and the certificate `sign` makes for its CSR as
+/// `dir/NAME.crt`.
+fn issue(dir: &std::path::Path, name: &str, sign: impl FnOnce(&str) -> anyhow::Result<String>) -> anyhow::Result<(PathBuf, PathBuf)> {
+    let key = rcgen::KeyPair::generate()?;
+    let csr = rcgen::CertificateParams::new(vec![])?.serialize_request(&key)?.pem()?;
+    let (cert_path, key_path) = (dir.join(format!("{name}.crt")), dir.join(format!("{name}.key")));
+    std::fs::write(&cert_path, sign(&csr)?)?;
+    std::fs::write(&key_path, key.serialize_pem())?;
+    Ok((cert_path, key_path))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_etcd_store_over_tls_keeps_the_contract_and_needs_a_certificate_of_the_clusters_ca() -> R {
+    use keelson_controller::etcd_pki::EtcdAuthorities;
+    use keelson_controller::store::etcd::EtcdTlsFiles;
+
+    let dir = tempfile::tempdir()?;
+    let cluster = "store".parse()?;
+    let cas = EtcdAuthorities::new(&dir.path().join("pki"));
+    let other_cas = EtcdAuthorities::new(&dir.path().join("other-pki"));
+    let ca = dir.path().join("pki/etcd-ca/store/ca.crt");
+    let (member_cert, member_key) = issue(dir.path(), "m0", |csr| Ok(cas.issue_member(&cluster, &"m0".parse()?, csr, &[])?.cert_pem))?;
+    let (client_cert, client_key) =
+        issue(dir.path(), "controller", |csr| Ok(cas.issue_client(&cluster, "keelson-controller", csr)?.cert_pem))?;
+    let (stranger_cert, stranger_key) =
+        issue(dir.path(), "stranger", |csr| Ok(other_cas.issue_client(&cluster, "keelson-controller", csr)?.cert_pem))?;
+
+    let mut member = EtcdMember::new(dir.path(), "m0", etcd::STORE_VERSION).with_tls(&ca, &member_cert, &member_key);
+    let initial = member.initial_cluster_entry();
+    member.start("new", &initial);
+    let url = etcd::store_url(std::slice::from_ref(&member));
+    let tls = |cert: &PathBuf, key: &PathBuf| Some(EtcdTlsFiles { ca: ca.clone(), cert: cert.clone(), key: key.clone() });
+    let options = EtcdOptions::parse(&url, tls(&client_cert, &client_key), DEFAULT_PREFIX).map_err(|e| anyhow!(e))?;
+    assert!(options.endpoints.iter().all(|e| e.starts_with("https://")), "{:?}", options.endpoints);
+    // The member takes a moment to serve.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let store = loop {
+        match EtcdStore::open(&options).await {
+            Ok(store) => break store,
+            Err(_) if tokio::time::Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(200)).await,
+            Err(e) => bail!("the store over TLS did not open: {e}"),
+        }
+    };
+    the_contract(Subject { store: Arc::new(store), _dir: tempfile::tempdir()?, _members: Vec::new() }).await?;
+
+    // A client certificate from another CA opens nothing.
+    let refused = EtcdOptions::parse(&url, tls(&stranger_cert, &stranger_key), DEFAULT_PREFIX).map_err(|e| anyhow!(e))?;
+    assert!(EtcdStore::open(&refused).await.is_err(), "etcd accepted a certificate of another CA");
+    drop(member);
+    Ok(())
 }
