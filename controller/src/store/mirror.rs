@@ -21,6 +21,10 @@ pub(crate) struct Committed {
     pub entries: BTreeMap<String, Entry>,
     pub revision: u64,
     log: VecDeque<Arc<Change>>,
+    /// The log holds every change after this revision. Revisions need not be consecutive
+    /// (etcd's also count writes outside the prefix), so this, not the oldest change's
+    /// revision, says how far back a watch can start.
+    log_start: u64,
 }
 
 #[derive(Debug)]
@@ -35,7 +39,7 @@ impl Mirror {
     pub fn new(entries: BTreeMap<String, Entry>, revision: u64) -> Self {
         let (changes, _) = broadcast::channel(BROADCAST_CAPACITY);
         Mirror {
-            state: RwLock::new(Committed { entries, revision, log: VecDeque::new() }),
+            state: RwLock::new(Committed { entries, revision, log: VecDeque::new(), log_start: revision }),
             changes,
             published: watch::Sender::new(revision),
         }
@@ -66,9 +70,8 @@ impl Mirror {
         // change falls between the backlog and the live stream.
         let state = self.read();
         let live = self.changes.subscribe();
-        let oldest = state.log.front().map_or(state.revision + 1, |c| c.entry.mod_revision);
-        if after + 1 < oldest && after < state.revision {
-            return Err(StoreError::Compacted { requested: after, oldest });
+        if after < state.log_start {
+            return Err(StoreError::Compacted { requested: after, oldest: state.log_start });
         }
         let backlog =
             state.log.iter().filter(|c| c.entry.mod_revision > after && c.entry.key.starts_with(prefix)).map(|c| (**c).clone()).collect();
@@ -86,8 +89,10 @@ impl Mirror {
                     state.entries.insert(change.entry.key.clone(), change.entry.clone());
                 }
                 let change = Arc::new(change);
-                if state.log.len() == CHANGE_LOG_LEN {
-                    state.log.pop_front();
+                if state.log.len() == CHANGE_LOG_LEN
+                    && let Some(dropped) = state.log.pop_front()
+                {
+                    state.log_start = dropped.entry.mod_revision;
                 }
                 state.log.push_back(change.clone());
                 // No receivers is not an error.
@@ -106,5 +111,43 @@ impl Mirror {
     pub async fn caught_up(&self, revision: u64, limit: Duration) -> bool {
         let mut published = self.published.subscribe();
         tokio::time::timeout(limit, published.wait_for(|r| *r >= revision)).await.is_ok_and(|r| r.is_ok())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn put(key: &str, revision: u64) -> Change {
+        Change {
+            deleted: false,
+            entry: Entry { key: key.into(), value: Arc::from(&b"v"[..]), create_revision: revision, mod_revision: revision },
+        }
+    }
+
+    #[tokio::test]
+    async fn a_watch_may_start_anywhere_the_log_covers_across_gaps_in_the_revisions() -> Result<(), StoreError> {
+        // Loaded at 100; the next change here is at 105 (etcd counted writes elsewhere).
+        let mirror = Mirror::new(BTreeMap::new(), 100);
+        mirror.publish([put("/a", 105)], 105);
+        let mut from_load = mirror.watch("/", 100)?;
+        let first = from_load.next().await.ok_or(StoreError::Closed)??;
+        assert_eq!((first.entry.key.as_str(), first.entry.mod_revision), ("/a", 105));
+        assert!(mirror.watch("/", 102).is_ok());
+        // Before the load, the changes are not known.
+        assert!(matches!(mirror.watch("/", 99), Err(StoreError::Compacted { requested: 99, oldest: 100 })));
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn dropping_the_oldest_change_moves_where_watches_may_start() -> Result<(), StoreError> {
+        let mirror = Mirror::new(BTreeMap::new(), 0);
+        for r in 1..=(CHANGE_LOG_LEN as u64 + 2) {
+            mirror.publish([put(&format!("/k/{r}"), r * 2)], r * 2);
+        }
+        // Changes at 2 and 4 were dropped: a watch from 4 on is whole, one from 3 is not.
+        assert!(mirror.watch("/", 4).is_ok());
+        assert!(matches!(mirror.watch("/", 3), Err(StoreError::Compacted { oldest: 4, .. })));
+        Ok(())
     }
 }
