@@ -240,15 +240,6 @@ fn compare(etcd_key: &str, precondition: Precondition) -> Option<Compare> {
     }
 }
 
-fn holds(precondition: Precondition, found: Option<u64>) -> bool {
-    match precondition {
-        Precondition::None => true,
-        Precondition::Absent => found.is_none(),
-        Precondition::Exists => found.is_some(),
-        Precondition::Revision(r) => found == Some(r),
-    }
-}
-
 #[async_trait]
 impl Store for EtcdStore {
     async fn get(&self, key: &str) -> Result<Option<Entry>, StoreError> {
@@ -270,11 +261,8 @@ impl Store for EtcdStore {
         // When refused, the transaction reads every key it would have written instead.
         let mut reads = Vec::new();
         for op in &ops {
-            let (key, precondition) = match op {
-                Op::Put { key, precondition, .. } | Op::Delete { key, precondition } => (key, *precondition),
-            };
-            let etcd_key = self.etcd_key(key)?;
-            compares.extend(compare(&etcd_key, precondition));
+            let etcd_key = self.etcd_key(op.key())?;
+            compares.extend(compare(&etcd_key, op.precondition()));
             reads.push(TxnOp::get(etcd_key.clone(), None));
             writes.push(match op {
                 Op::Put { value, .. } => TxnOp::put(etcd_key, value.clone(), None),
@@ -304,11 +292,9 @@ impl Store for EtcdStore {
         }
         // Refused: say which precondition failed, from what etcd read in the same transaction.
         let failed = ops.iter().zip(&found).find_map(|(op, kv)| {
-            let precondition = match op {
-                Op::Put { precondition, .. } | Op::Delete { precondition, .. } => *precondition,
-            };
             let found = kv.as_ref().map(|kv| revision_of(kv.mod_revision()));
-            (!holds(precondition, found)).then(|| StoreError::Conflict { key: op.key().to_owned(), expected: precondition, found })
+            let expected = op.precondition();
+            (!expected.holds(found)).then(|| StoreError::Conflict { key: op.key().to_owned(), expected, found })
         });
         self.catch_up(revision).await;
         Err(failed.unwrap_or_else(|| StoreError::Backend("etcd refused the transaction but every precondition holds".into())))

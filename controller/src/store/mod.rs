@@ -35,6 +35,18 @@ pub enum Precondition {
     Exists,
 }
 
+impl Precondition {
+    /// Whether it holds for a key at modification revision `found` (`None`: no such key).
+    pub fn holds(self, found: Option<u64>) -> bool {
+        match self {
+            Precondition::None => true,
+            Precondition::Absent => found.is_none(),
+            Precondition::Exists => found.is_some(),
+            Precondition::Revision(r) => found == Some(r),
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub enum Op {
     Put { key: String, value: Vec<u8>, precondition: Precondition },
@@ -45,6 +57,12 @@ impl Op {
     pub fn key(&self) -> &str {
         match self {
             Op::Put { key, .. } | Op::Delete { key, .. } => key,
+        }
+    }
+
+    pub fn precondition(&self) -> Precondition {
+        match self {
+            Op::Put { precondition, .. } | Op::Delete { precondition, .. } => *precondition,
         }
     }
 }

@@ -19,7 +19,7 @@ use rusqlite::{Connection, params};
 use tokio::sync::{mpsc, oneshot};
 
 use super::mirror::Mirror;
-use super::{Change, Entry, Listing, Op, Precondition, Store, StoreError, Watch};
+use super::{Change, Entry, Listing, Op, Store, StoreError, Watch};
 
 /// The most requests committed in one transaction.
 const MAX_BATCH: usize = 512;
@@ -167,17 +167,9 @@ impl Writer {
                     }
                 };
                 let failed = request.ops.iter().find_map(|op| {
-                    let (key, pre) = match op {
-                        Op::Put { key, precondition, .. } | Op::Delete { key, precondition } => (key, *precondition),
-                    };
-                    let found = current(key, &overlay).map(|e| e.mod_revision);
-                    let ok = match pre {
-                        Precondition::None => true,
-                        Precondition::Absent => found.is_none(),
-                        Precondition::Exists => found.is_some(),
-                        Precondition::Revision(r) => found == Some(r),
-                    };
-                    (!ok).then(|| StoreError::Conflict { key: key.clone(), expected: pre, found })
+                    let found = current(op.key(), &overlay).map(|e| e.mod_revision);
+                    let expected = op.precondition();
+                    (!expected.holds(found)).then(|| StoreError::Conflict { key: op.key().to_owned(), expected, found })
                 });
                 if let Some(e) = failed {
                     outcomes.push(Err(e));
@@ -257,7 +249,7 @@ mod tests {
     //! What only SQLite does; the store contract both stores keep is checked in
     //! `tests/tests/store.rs`.
     use super::*;
-    use crate::store::StoreExt;
+    use crate::store::{Precondition, StoreExt};
 
     fn open(dir: &tempfile::TempDir) -> SqliteStore {
         SqliteStore::open(&dir.path().join("keelson.db")).unwrap_or_else(|e| panic!("{e}"))
