@@ -31,13 +31,18 @@ impl EtcdAuthorities {
         EtcdAuthorities { dir: data_dir.join("etcd-ca"), loaded: Mutex::new(HashMap::new()) }
     }
 
+    /// Where the CA of `cluster` is kept.
+    pub fn dir(&self, cluster: &Name) -> PathBuf {
+        self.dir.join(cluster.as_str())
+    }
+
     /// The CA of `cluster`, created on first use.
     pub fn authority(&self, cluster: &Name) -> Result<Arc<Authority>, PkiError> {
         let mut loaded = self.loaded.lock().map_err(|_| PkiError::Invalid("etcd CA cache poisoned".into()))?;
         if let Some(a) = loaded.get(cluster) {
             return Ok(a.clone());
         }
-        let dir = self.dir.join(cluster.as_str());
+        let dir = self.dir(cluster);
         std::fs::create_dir_all(&dir).map_err(|source| PkiError::Io { path: dir.clone(), source })?;
         let (authority, created) = Authority::load_or_create_named(&dir, &format!("keelson etcd CA {cluster}"))?;
         if created {

@@ -5,6 +5,7 @@
 pub mod error;
 pub mod etcd_pki;
 pub mod http;
+pub mod leader;
 pub mod leases;
 pub mod metrics;
 pub mod pki;
@@ -12,5 +13,6 @@ pub mod pools;
 pub mod registry;
 pub mod rollout;
 pub mod serve;
+pub mod shared_ca;
 pub mod store;
 pub mod waiters;

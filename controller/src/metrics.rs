@@ -42,6 +42,7 @@ pub struct Metrics {
     latency: Family<RouteLabels, Histogram, fn() -> Histogram>,
     machines: Family<ConditionLabels, Gauge>,
     machines_total: Gauge,
+    leader: Gauge,
 }
 
 impl Default for Metrics {
@@ -57,11 +58,17 @@ impl Metrics {
         let latency = Family::<RouteLabels, Histogram, fn() -> Histogram>::new_with_constructor(latency_histogram);
         let machines = Family::<ConditionLabels, Gauge>::default();
         let machines_total = Gauge::default();
+        let leader = Gauge::default();
         registry.register("http_requests", "HTTP requests answered, by route, method and status code", requests.clone());
         registry.register("http_request_duration_seconds", "Time to answer an HTTP request (long-polls include the wait)", latency.clone());
         registry.register("machines_by_condition", "Machines by condition type and status", machines.clone());
         registry.register("machines", "Machines known to the controller", machines_total.clone());
-        Metrics { registry, requests, latency, machines, machines_total }
+        registry.register("controller_leader", "1 while this replica runs the fleet's rollout and reachability loops", leader.clone());
+        Metrics { registry, requests, latency, machines, machines_total, leader }
+    }
+
+    pub fn set_leader(&self, leading: bool) {
+        self.leader.set(i64::from(leading));
     }
 
     pub fn observe_request(&self, route: &str, method: &str, code: u16, elapsed: Duration) {

@@ -7,14 +7,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use etcd_client::Client;
 use keelson_api::config::ClientConfig;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::http::{self, ApiConfig, App};
+use crate::leader::{self, EtcdElection, Leading};
 use crate::metrics::Metrics;
 use crate::pki::{self, Authority};
 use crate::registry::Registry;
+use crate::shared_ca::{self, SharedCaError};
 use crate::store::Store;
 use crate::store::etcd::{EtcdOptions, EtcdStore};
 use crate::store::sqlite::SqliteStore;
@@ -41,18 +44,54 @@ pub enum StoreChoice {
     Etcd(EtcdOptions),
 }
 
+/// Under the etcd prefix: the replicas' election (one key per candidate, named by its lease).
+const ELECTION: &str = "/controller/election";
+
 /// The admin credential file in the data directory.
 pub fn admin_conf_path(data_dir: &Path) -> PathBuf {
     data_dir.join("admin.conf")
 }
 
-async fn open_store(opts: &ServeOptions) -> anyhow::Result<Arc<dyn Store>> {
+/// The store, and on etcd the election the replicas sharing it campaign in.
+async fn open_store(opts: &ServeOptions) -> anyhow::Result<(Arc<dyn Store>, Option<(Client, String)>)> {
     Ok(match &opts.store {
-        StoreChoice::Sqlite => Arc::new(SqliteStore::open(&opts.data_dir.join("keelson.db"))?),
+        StoreChoice::Sqlite => (Arc::new(SqliteStore::open(&opts.data_dir.join("keelson.db"))?), None),
         StoreChoice::Etcd(etcd) => {
-            Arc::new(EtcdStore::open(etcd).await.with_context(|| format!("opening the etcd store at {}", etcd.endpoints.join(",")))?)
+            let store = EtcdStore::open(etcd).await.with_context(|| format!("opening the etcd store at {}", etcd.endpoints.join(",")))?;
+            let election = (store.client(), format!("{}{ELECTION}", store.prefix()));
+            (Arc::new(store), Some(election))
         }
     })
+}
+
+/// Loads the controller CA from the data directory, or makes it on the first start of the
+/// first replica; with several replicas, all must hold the same (crate::shared_ca).
+/// Says whether it was made now.
+async fn load_authority(store: &dyn Store, data_dir: &Path) -> anyhow::Result<(Authority, bool)> {
+    let copy_it = format!(
+        "copy ca.crt, ca.key and etcd-ca/ from the data directory of a running replica into {} before starting this one (docs/controller.md, \"Several replicas\")",
+        data_dir.display()
+    );
+    if !shared_ca::present(data_dir) && shared_ca::recorded(store, shared_ca::CONTROLLER_CA).await?.is_some() {
+        anyhow::bail!("the store already belongs to a fleet whose CA this data directory lacks: {copy_it}");
+    }
+    let (authority, created) = Authority::load_or_create(data_dir)?;
+    match shared_ca::pin(store, shared_ca::CONTROLLER_CA, &authority.cert_pem).await {
+        Ok(()) => {}
+        Err(SharedCaError::Mismatch { .. }) => {
+            if created {
+                // Another replica made its CA at the same moment and recorded it first.
+                let _ = std::fs::remove_file(data_dir.join("ca.key"));
+                let _ = std::fs::remove_file(data_dir.join("ca.crt"));
+            }
+            anyhow::bail!("{}/ca.crt is not the CA of the fleet this store holds: {copy_it}", data_dir.display());
+        }
+        Err(SharedCaError::Store(e)) => return Err(e.into()),
+    }
+    if created {
+        tracing::info!(path = %data_dir.join("ca.crt").display(), "created a new certificate authority");
+    }
+    Ok((authority, created))
 }
 
 /// The names the server certificate is valid for: the listen address (loopback and the
@@ -61,8 +100,9 @@ fn server_names(listen: &SocketAddr, sans: &[String]) -> Vec<String> {
     let mut names = Vec::new();
     if listen.ip().is_unspecified() {
         names.extend(["127.0.0.1".to_owned(), "::1".to_owned(), "localhost".to_owned()]);
-        if let Ok(host) = std::fs::read_to_string("/proc/sys/kernel/hostname") {
-            names.push(host.trim().to_owned());
+        let host = hostname();
+        if !host.is_empty() {
+            names.push(host);
         }
     } else {
         names.push(listen.ip().to_string());
@@ -85,11 +125,8 @@ pub async fn run(opts: ServeOptions, cancel: CancellationToken) -> anyhow::Resul
         std::fs::set_permissions(&opts.data_dir, std::fs::Permissions::from_mode(0o700))
             .with_context(|| format!("restricting {}", opts.data_dir.display()))?;
     }
-    let store = open_store(&opts).await?;
-    let (authority, created) = Authority::load_or_create(&opts.data_dir)?;
-    if created {
-        tracing::info!(path = %opts.data_dir.join("ca.crt").display(), "created a new certificate authority");
-    }
+    let (store, election) = open_store(&opts).await?;
+    let (authority, created) = load_authority(&*store, &opts.data_dir).await?;
     let listener = tokio::net::TcpListener::bind(opts.listen).await.with_context(|| format!("listening on {}", opts.listen))?;
     let bound = listener.local_addr()?;
     let (server_cert, server_key) = authority.issue_server(&server_names(&bound, &opts.sans))?;
@@ -115,8 +152,23 @@ pub async fn run(opts: ServeOptions, cancel: CancellationToken) -> anyhow::Resul
 
     let mut tasks: JoinSet<anyhow::Result<()>> = JoinSet::new();
     tasks.spawn(follow_machines(store.clone(), waiters, cancel.clone()));
-    tasks.spawn(reachability_loop(app.clone(), opts.unreachable_after, cancel.clone()));
-    tasks.spawn(pool_loop(app.clone(), opts.reconcile_interval, cancel.clone()));
+    // On SQLite this controller is the only one and leads throughout.
+    let (leading_tx, leading) = tokio::sync::watch::channel(election.is_none());
+    if let Some((client, name)) = election {
+        let identity = format!("{} {}", hostname(), server_url(&bound));
+        tasks.spawn(EtcdElection { client, name, identity }.run(leading_tx, cancel.clone()));
+    } else {
+        // Held until shutdown.
+        tasks.spawn(async move {
+            leading_tx.closed().await;
+            Ok(())
+        });
+    }
+    tasks.spawn(follow_leadership(app.clone(), leading.clone(), cancel.clone()));
+    let (reach, timeout) = (app.clone(), opts.unreachable_after);
+    tasks.spawn(leader::while_leading(leading.clone(), cancel.clone(), move |term| reachability_loop(reach.clone(), timeout, term)));
+    let (pools, period) = (app.clone(), opts.reconcile_interval);
+    tasks.spawn(leader::while_leading(leading, cancel.clone(), move |term| pool_loop(pools.clone(), period, term)));
     tasks.spawn(http::server::serve(listener, tls, http::router(app.clone()), cancel.clone()));
     // Printed for operators and for tests that wait for the controller to come up.
     println!("keelson-controller listening on {}", server_url(&bound));
@@ -134,6 +186,21 @@ pub async fn run(opts: ServeOptions, cancel: CancellationToken) -> anyhow::Resul
         cancel.cancel();
     }
     result
+}
+
+/// Shows in the metrics whether this replica leads.
+async fn follow_leadership(app: Arc<App>, mut leading: Leading, cancel: CancellationToken) -> anyhow::Result<()> {
+    loop {
+        app.metrics.set_leader(*leading.borrow_and_update());
+        tokio::select! {
+            _ = cancel.cancelled() => return Ok(()),
+            changed = leading.changed() => if changed.is_err() { return Ok(()) },
+        }
+    }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_owned()).unwrap_or_default()
 }
 
 /// Tells systemd the controller is ready when it runs as a notify service.

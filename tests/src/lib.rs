@@ -291,6 +291,25 @@ pub fn machine_json(name: &str, labels: serde_json::Value, spec: serde_json::Val
     })
 }
 
+/// Waits up to `secs` for pool `web` to satisfy `ok`; its last state, or an error saying
+/// `what` did not happen, with the pool's status.
+pub async fn wait_for_pool_web(
+    admin: &ApiClient,
+    what: &str,
+    secs: u64,
+    ok: impl Fn(&serde_json::Value) -> bool,
+) -> anyhow::Result<serde_json::Value> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(secs);
+    loop {
+        let p = admin.get("/v1/pools/web").await?;
+        if ok(&p.body) {
+            return Ok(p.body);
+        }
+        anyhow::ensure!(std::time::Instant::now() < deadline, "{what} within {secs}s; pool status: {}", p.body["status"]);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// A spec that pins one containerd version from a package.
 pub fn runtime_spec(version: &str) -> serde_json::Value {
     serde_json::json!({

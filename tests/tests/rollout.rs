@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use keelson_tests::{ApiClient, status_report};
+use keelson_tests::{ApiClient, status_report, wait_for_pool_web};
 use serde_json::json;
 
 type R = anyhow::Result<()>;
@@ -68,18 +68,6 @@ fn file(path: &str, content: &str) -> serde_json::Value {
     json!({"path": path, "content": content})
 }
 
-async fn wait_for(admin: &ApiClient, what: &str, secs: u64, ok: impl Fn(&serde_json::Value) -> bool) -> anyhow::Result<serde_json::Value> {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    loop {
-        let p = admin.get("/v1/pools/web").await?;
-        if ok(&p.body) {
-            return Ok(p.body);
-        }
-        anyhow::ensure!(Instant::now() < deadline, "{what} within {secs}s; pool status: {}", p.body["status"]);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 fn condition(pool: &serde_json::Value, type_: &str) -> (String, String) {
     pool["status"]["conditions"]
         .as_array()
@@ -133,11 +121,11 @@ keelson_tests::on_both_stores! {
                 names.push(name);
             }
         }
-        wait_for(&admin, "revision 1 rolled out to the six machines", 60, |p| rolled_out(p) && p["status"]["machines"] == 6).await?;
+        wait_for_pool_web(&admin, "revision 1 rolled out to the six machines", 60, |p| rolled_out(p) && p["status"]["machines"] == 6).await?;
 
         // Revision 2: the canary (r1-m0) alone, a soak, then rack r1, then rack r2, two at a time.
         admin.put("/v1/pools/web", &pool(json!([file("/etc/motd", "two\n")]), rollout.clone())).await?;
-        wait_for(&admin, "revision 2 rolled out", 60, rolled_out).await?;
+        wait_for_pool_web(&admin, "revision 2 rolled out", 60, rolled_out).await?;
         let times = given(&admin, &names).await?;
         let at = |n: &str, rev: u64| times[n].iter().find(|(r, _)| *r == rev).map(|(_, t)| *t);
         let canary = at("r1-m0", 2).ok_or_else(|| anyhow::anyhow!("the canary never got revision 2: {times:?}"))?;
@@ -151,7 +139,7 @@ keelson_tests::on_both_stores! {
 
         // Revision 3 fails on the canary: the rollout halts with the reason; nobody else moves.
         admin.put("/v1/pools/web", &pool(json!([file("/etc/fail", "x\n")]), rollout.clone())).await?;
-        let halted = wait_for(&admin, "a halt", 30, |p| condition(p, "RolloutHalted").0 == "True").await?;
+        let halted = wait_for_pool_web(&admin, "a halt", 30, |p| condition(p, "RolloutHalted").0 == "True").await?;
         let (_, why) = condition(&halted, "RolloutHalted");
         assert!(why.contains("r1-m0: step 1/1 (write /etc/fail) failed"), "{why}");
         tokio::time::sleep(Duration::from_secs(2)).await;
@@ -165,7 +153,7 @@ keelson_tests::on_both_stores! {
         // Undo brings the canary back to revision 2's template as revision 4.
         let undo = c.cli(&["rollout", "undo", "pool/web"])?;
         assert!(undo.status.success(), "{}", String::from_utf8_lossy(&undo.stderr));
-        let done = wait_for(&admin, "the undo rolled out", 30, rolled_out).await?;
+        let done = wait_for_pool_web(&admin, "the undo rolled out", 30, rolled_out).await?;
         assert_eq!(done["status"]["revision"], 4);
         assert_eq!(done["spec"]["template"]["spec"]["files"][0]["content"], "two\n");
         let history = c.cli(&["rollout", "history", "pool/web", "-o", "json"])?;
@@ -357,14 +345,14 @@ keelson_tests::on_both_stores! {
             // Distinct creation times for the Newest order.
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        wait_for(&admin, "four machines rolled out", 30, |p| rolled_out(p) && p["status"]["machines"] == 4).await?;
+        wait_for_pool_web(&admin, "four machines rolled out", 30, |p| rolled_out(p) && p["status"]["machines"] == 4).await?;
         // m1 (the oldest) is marked: it goes first; then the newest, m4.
         let mut m1 = admin.get("/v1/machines/m1").await?.body;
         m1["metadata"]["annotations"] = json!({"keelson.io/delete-machine": "true"});
         m1["metadata"].as_object_mut().map(|o| o.remove("resourceVersion"));
         assert_eq!(admin.put("/v1/machines/m1", &m1).await?.status, 200);
         admin.put("/v1/pools/web", &web(Some(2))).await?;
-        wait_for(&admin, "two machines left", 30, |p| p["status"]["machines"] == 2).await?;
+        wait_for_pool_web(&admin, "two machines left", 30, |p| p["status"]["machines"] == 2).await?;
         let deadline = Instant::now() + Duration::from_secs(30);
         while admin.get("/v1/machines/m4").await?.status != 404 || admin.get("/v1/machines/m1").await?.status != 404 {
             anyhow::ensure!(Instant::now() < deadline, "m1 and m4 were not both removed");
@@ -406,9 +394,9 @@ keelson_tests::on_both_stores! {
         for name in ["m1", "m2"] {
             agents.spawn(agent(c.enroll(name, &token, &states.path().join(name))?, Duration::from_millis(100)));
         }
-        wait_for(&admin, "revision 1 rolled out", 30, |p| rolled_out(p) && p["status"]["machines"] == 2).await?;
+        wait_for_pool_web(&admin, "revision 1 rolled out", 30, |p| rolled_out(p) && p["status"]["machines"] == 2).await?;
         admin.put("/v1/pools/web", &pool(json!([file("/etc/fail", "x\n")]), rollout)).await?;
-        let back = wait_for(&admin, "the automatic undo rolled out", 30, |p| p["status"]["revision"] == 3 && rolled_out(p)).await?;
+        let back = wait_for_pool_web(&admin, "the automatic undo rolled out", 30, |p| p["status"]["revision"] == 3 && rolled_out(p)).await?;
         assert_eq!(back["spec"]["template"]["spec"]["files"][0]["path"], "/etc/motd");
         let history: serde_json::Value = serde_json::from_slice(&c.cli(&["rollout", "history", "pool/web", "-o", "json"])?.stdout)?;
         let cause = history[2]["cause"].as_str().unwrap_or_default();

@@ -20,8 +20,9 @@ use serde::{Deserialize, Serialize};
 
 use super::{App, JsonBody, PeerExt, require_admin, require_machine};
 use crate::error::ApiError;
-use crate::pki::{Issued, PkiError};
+use crate::pki::{Authority, Issued, PkiError};
 use crate::registry::{ETCD_CLUSTERS, MACHINES, POOLS, encode};
+use crate::shared_ca::{self, SharedCaError};
 use crate::store::{Op, Precondition, StoreError};
 
 type ApiResult<T> = Result<T, ApiError>;
@@ -33,6 +34,29 @@ fn pki_error(e: PkiError) -> ApiError {
     match e {
         PkiError::BadCsr(m) => ApiError::invalid("csr", m),
         other => ApiError::Internal(other.to_string()),
+    }
+}
+
+/// The CA of `cluster`, made sure to be the one every replica uses (crate::shared_ca).
+async fn cluster_authority(app: &App, cluster: &Name) -> ApiResult<Arc<Authority>> {
+    let key = format!("{}{cluster}", shared_ca::ETCD_CAS);
+    let dir = app.etcd_pki.dir(cluster);
+    let copy_it =
+        || format!("copy {} from a replica that has issued certificates for it (docs/controller.md, \"Several replicas\")", dir.display());
+    if !shared_ca::present(&dir) && shared_ca::recorded(&*app.registry.store, &key).await?.is_some() {
+        return Err(ApiError::Unavailable(format!(
+            "another controller replica made the CA of etcd cluster {cluster} and this one has no copy: {}",
+            copy_it()
+        )));
+    }
+    let authority = app.etcd_pki.authority(cluster).map_err(pki_error)?;
+    match shared_ca::pin(&*app.registry.store, &key, &authority.cert_pem).await {
+        Ok(()) => Ok(authority),
+        Err(SharedCaError::Store(e)) => Err(e.into()),
+        Err(SharedCaError::Mismatch { .. }) => Err(ApiError::Unavailable(format!(
+            "this replica's CA of etcd cluster {cluster} is not the one the other replicas use: {}",
+            copy_it()
+        ))),
     }
 }
 
@@ -65,8 +89,8 @@ pub async fn member_certificate(
     // own to name, with those it reported.
     let mut addresses = machine.status.facts.map(|f| f.addresses).unwrap_or_default();
     addresses.extend(req.addresses.iter().filter(|a| a.parse::<std::net::IpAddr>().is_ok()).cloned());
+    let ca = cluster_authority(&app, &etcd.cluster).await?.cert_pem.clone();
     let issued = app.etcd_pki.issue_member(&etcd.cluster, &name, &req.csr, &addresses).map_err(pki_error)?;
-    let ca = app.etcd_pki.authority(&etcd.cluster).map_err(pki_error)?.cert_pem.clone();
     tracing::info!(machine = %name, cluster = %etcd.cluster, serial = %issued.serial, "issued an etcd member certificate");
     Ok(answer(etcd.cluster, ca, issued))
 }
@@ -91,8 +115,8 @@ pub async fn client_certificate(
     if !cluster_declared(&app, &cluster).await? {
         return Err(ApiError::NotFound(format!("no machine or pool declares etcd cluster {cluster}")));
     }
+    let ca = cluster_authority(&app, &cluster).await?.cert_pem.clone();
     let issued = app.etcd_pki.issue_client(&cluster, who, &req.csr).map_err(pki_error)?;
-    let ca = app.etcd_pki.authority(&cluster).map_err(pki_error)?.cert_pem.clone();
     tracing::info!(%cluster, client = who, serial = %issued.serial, "issued an etcd client certificate");
     Ok(answer(cluster, ca, issued))
 }

@@ -138,6 +138,16 @@ impl EtcdStore {
         Ok(EtcdStore { client, prefix, mirror, progress, stop })
     }
 
+    /// The client, for the leader election of the replicas sharing this store.
+    pub fn client(&self) -> Client {
+        self.client.clone()
+    }
+
+    /// The etcd prefix of every store key.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
     fn etcd_key(&self, key: &str) -> Result<String, StoreError> {
         if !key.starts_with('/') {
             return Err(StoreError::Backend(format!("store key {key:?} does not start with /")));
