@@ -36,6 +36,17 @@ impl EtcdAuthorities {
         self.dir.join(cluster.as_str())
     }
 
+    /// Drops the CA of `cluster` that this process just made and must not use (another
+    /// replica's is the cluster's): from memory and from the data directory.
+    pub fn discard(&self, cluster: &Name) {
+        if let Ok(mut loaded) = self.loaded.lock() {
+            loaded.remove(cluster);
+        }
+        for f in ["ca.key", "ca.crt"] {
+            let _ = std::fs::remove_file(self.dir(cluster).join(f));
+        }
+    }
+
     /// The CA of `cluster`, created on first use.
     pub fn authority(&self, cluster: &Name) -> Result<Arc<Authority>, PkiError> {
         let mut loaded = self.loaded.lock().map_err(|_| PkiError::Invalid("etcd CA cache poisoned".into()))?;

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 
+use futures_util::{StreamExt, TryStreamExt};
 use keelson_api::machine::{Machine, Phase};
 use keelson_api::meta::{self, ConditionStatus, Name, annotation, condition, find_condition, set_condition};
 use keelson_api::pool::{DeletionOrder, MachinePool, PoolEtcdStatus, PoolRevision, PoolStatus};
@@ -18,6 +19,8 @@ use crate::store::{Op, Precondition, StoreError};
 
 /// How a revision was made by an automatic undo (such revisions are not undone again).
 const AUTO_UNDO: &str = "auto undo";
+/// How many machines a rollout pass updates at the same time.
+const GIVE_IN_PARALLEL: usize = 64;
 
 fn revision_key(pool: &str, revision: u64) -> String {
     format!("{REVISIONS}{pool}/{revision:020}")
@@ -132,7 +135,7 @@ impl Registry {
         if new_revision {
             self.prune_revisions(&pool).await?;
         }
-        self.reconcile_pools().await?;
+        self.pass_if_leading().await?;
         Ok(Versioned { object: pool, revision })
     }
 
@@ -144,7 +147,7 @@ impl Registry {
         }
         ops.push(Op::Delete { key: format!("{ROLLOUTS}{name}"), precondition: Precondition::None });
         match self.store.txn(ops).await {
-            Ok(_) => self.reconcile_pools().await,
+            Ok(_) => self.pass_if_leading().await,
             Err(StoreError::Conflict { key, .. }) if key.starts_with(POOLS) => Err(not_found("pool", name.as_str())),
             Err(e) => Err(e.into()),
         }
@@ -186,7 +189,7 @@ impl Registry {
         let key = format!("{POOLS}{name}");
         let revision =
             self.store.txn(vec![Op::Put { key, value: encode(&pool), precondition: Precondition::Revision(current.revision) }]).await?;
-        self.reconcile_pools().await?;
+        self.pass_if_leading().await?;
         Ok(Versioned { object: pool, revision })
     }
 
@@ -197,7 +200,7 @@ impl Registry {
             let _pass = self.rollout_lock.lock().await;
             self.undo_locked(name, to, None).await?
         };
-        self.reconcile_pools().await?;
+        self.pass_if_leading().await?;
         Ok(pool)
     }
 
@@ -300,15 +303,26 @@ impl Registry {
                 blocked_by,
                 now: meta::now(),
             });
-            for machine in members.get(name).into_iter().flatten() {
-                let n = machine.metadata.name_str();
-                let at_template = machine.spec == pool.spec.template.spec;
-                let lagging = machine.status.pool.as_ref() != pool.metadata.name.as_ref()
-                    || machine.status.pool_revision != Some(pool.status.revision);
-                if decision.update.iter().any(|u| u == n) || (at_template && lagging) {
-                    self.give_revision(n, pool).await?;
-                }
-            }
+            let picked: std::collections::BTreeSet<&str> = decision.update.iter().map(String::as_str).collect();
+            let give: Vec<String> = members
+                .get(name)
+                .into_iter()
+                .flatten()
+                .filter(|machine| {
+                    let at_template = machine.spec == pool.spec.template.spec;
+                    let lagging = machine.status.pool.as_ref() != pool.metadata.name.as_ref()
+                        || machine.status.pool_revision != Some(pool.status.revision);
+                    picked.contains(machine.metadata.name_str()) || (at_template && lagging)
+                })
+                .map(|machine| machine.metadata.name_str().to_owned())
+                .collect();
+            // Each machine is its own compare-and-swap: many at once let the store commit
+            // them together (one fsync, one etcd round trip each in parallel).
+            futures_util::stream::iter(give)
+                .map(|n| async move { self.give_revision(&n, pool).await })
+                .buffer_unordered(GIVE_IN_PARALLEL)
+                .try_collect::<()>()
+                .await?;
             if let Some(replicas) = pool.spec.replicas {
                 let live = members.get(name).cloned().unwrap_or_default();
                 let budget = pool.spec.rollout.max_unavailable.resolve(live.len());

@@ -96,6 +96,8 @@ pub struct Registry {
     /// Woken when a pool member's progress changes (generation applied, Ready, Degraded,
     /// reachability), so rollouts move at once rather than at the next periodic pass.
     pub rollout_wake: tokio::sync::Notify,
+    /// Whether this replica leads (crate::leader): only the leader runs rollout passes.
+    leading: tokio::sync::watch::Receiver<bool>,
 }
 
 pub(crate) fn encode<T: Serialize>(value: &T) -> Vec<u8> {
@@ -166,13 +168,35 @@ pub fn owning_pool<'a>(pools: &'a [Versioned<MachinePool>], labels: &BTreeMap<St
 }
 
 impl Registry {
-    pub fn new(store: Arc<dyn Store>, authority: Arc<Authority>) -> Self {
+    pub fn new(store: Arc<dyn Store>, authority: Arc<Authority>, leading: tokio::sync::watch::Receiver<bool>) -> Self {
         Registry {
+            leading,
             store,
             authority,
             enroll_lock: tokio::sync::Mutex::new(()),
             rollout_lock: tokio::sync::Mutex::new(()),
             rollout_wake: tokio::sync::Notify::new(),
+        }
+    }
+
+    /// A rollout pass at once, after an operator's change, when this replica leads. On a
+    /// follower the change reaches the leader through the store, and wakes its pass there;
+    /// two replicas never run passes side by side, so a pool's budget is filled by one.
+    /// A pass is given up when leadership goes while it runs.
+    pub(crate) async fn pass_if_leading(&self) -> Result<(), ApiError> {
+        let mut leading = self.leading.clone();
+        if !*leading.borrow_and_update() {
+            return Ok(());
+        }
+        let lost = async {
+            if leading.wait_for(|l| !*l).await.is_err() {
+                // No election (one controller): it never loses.
+                std::future::pending::<()>().await;
+            }
+        };
+        tokio::select! {
+            passed = self.reconcile_pools() => passed,
+            _ = lost => Ok(()),
         }
     }
 

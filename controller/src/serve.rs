@@ -16,12 +16,12 @@ use crate::http::{self, ApiConfig, App};
 use crate::leader::{self, EtcdElection, Leading};
 use crate::metrics::Metrics;
 use crate::pki::{self, Authority};
-use crate::registry::Registry;
+use crate::registry::{POOLS, Registry};
 use crate::shared_ca::{self, SharedCaError};
 use crate::store::Store;
 use crate::store::etcd::{EtcdOptions, EtcdStore};
 use crate::store::sqlite::SqliteStore;
-use crate::waiters::{SpecWaiters, follow_machines};
+use crate::waiters::{SpecWaiters, follow_changes, follow_machines};
 
 #[derive(Debug, Clone)]
 pub struct ServeOptions {
@@ -140,9 +140,11 @@ pub async fn run(opts: ServeOptions, cancel: CancellationToken) -> anyhow::Resul
     }
     let tls = Arc::new(pki::server_tls_config(&authority.cert_pem, &server_cert.cert_pem, &server_key)?);
     let authority = Arc::new(authority);
+    // On SQLite this controller is the only one and leads throughout.
+    let (leading_tx, leading) = tokio::sync::watch::channel(election.is_none());
     let waiters = Arc::new(SpecWaiters::default());
     let app = Arc::new(App {
-        registry: Registry::new(store.clone(), authority),
+        registry: Registry::new(store.clone(), authority, leading.clone()),
         waiters: waiters.clone(),
         metrics: Metrics::new(),
         config: opts.api.clone(),
@@ -151,9 +153,11 @@ pub async fn run(opts: ServeOptions, cancel: CancellationToken) -> anyhow::Resul
     });
 
     let mut tasks: JoinSet<anyhow::Result<()>> = JoinSet::new();
-    tasks.spawn(follow_machines(store.clone(), waiters, cancel.clone()));
-    // On SQLite this controller is the only one and leads throughout.
-    let (leading_tx, leading) = tokio::sync::watch::channel(election.is_none());
+    let wake = app.clone();
+    tasks.spawn(follow_machines(store.clone(), waiters, move || wake.registry.rollout_wake.notify_one(), cancel.clone()));
+    // Pool changes made through another replica reach the leader's pass this way.
+    let wake = app.clone();
+    tasks.spawn(follow_changes(store.clone(), POOLS, move || wake.registry.rollout_wake.notify_one(), cancel.clone()));
     if let Some((client, name)) = election {
         let identity = format!("{} {}", hostname(), server_url(&bound));
         tasks.spawn(EtcdElection { client, name, identity }.run(leading_tx, cancel.clone()));
@@ -219,7 +223,12 @@ async fn reachability_loop(app: Arc<App>, timeout: Duration, cancel: Cancellatio
             _ = cancel.cancelled() => return Ok(()),
             _ = tokio::time::sleep(period) => {}
         }
-        if let Err(e) = app.registry.mark_unreachable(timeout).await {
+        // Given up half-way when the term ends: each machine's mark is its own write.
+        let checked = tokio::select! {
+            _ = cancel.cancelled() => return Ok(()),
+            checked = app.registry.mark_unreachable(timeout) => checked,
+        };
+        if let Err(e) = checked {
             tracing::warn!(error = %e, "reachability check failed");
         }
     }
@@ -231,7 +240,13 @@ async fn pool_loop(app: Arc<App>, period: Duration, cancel: CancellationToken) -
     // Reports arrive in bursts; one pass after a short pause takes in the whole burst.
     const GATHER: Duration = Duration::from_millis(100);
     loop {
-        if let Err(e) = app.registry.reconcile_pools().await {
+        // Given up half-way when the term ends (level-triggered: the next leader's pass
+        // starts from what is stored, as after a crash).
+        let passed = tokio::select! {
+            _ = cancel.cancelled() => return Ok(()),
+            passed = app.registry.reconcile_pools() => passed,
+        };
+        if let Err(e) = passed {
             tracing::warn!(error = %e, "pool reconcile failed");
         }
         tokio::select! {

@@ -65,11 +65,12 @@ async fn one_leader(admins: &[&ApiClient], within: Duration) -> anyhow::Result<u
 }
 
 /// Two replicas on a fresh 3-member cluster, the second holding a copy of the first's CA.
+/// Periodic rollout passes are a minute apart: a rollout moves only as changes wake it.
 async fn two_replicas(dirs: &(tempfile::TempDir, tempfile::TempDir)) -> anyhow::Result<(TestStore, Controller, Controller)> {
     let store = TestStore::etcd(3).await?;
-    let a = store.start(dirs.0.path(), &["--reconcile-interval-seconds", "1", "--unreachable-after-seconds", "30"])?;
+    let a = store.start(dirs.0.path(), &["--reconcile-interval-seconds", "60"])?;
     copy_ca(dirs.0.path(), dirs.1.path())?;
-    let b = store.start(dirs.1.path(), &["--reconcile-interval-seconds", "1", "--unreachable-after-seconds", "30"])?;
+    let b = store.start(dirs.1.path(), &["--reconcile-interval-seconds", "60"])?;
     Ok((store, a, b))
 }
 
@@ -274,6 +275,40 @@ async fn a_killed_leader_is_replaced_within_15s_and_the_rollout_goes_on() -> R {
     }
     let most = most.load(Ordering::SeqCst);
     assert!(most <= 2, "{most} machines were upgrading at once; maxUnavailable is 2");
+    agents.abort_all();
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn changes_made_through_a_follower_move_the_leaders_rollout() -> R {
+    const MACHINES: u64 = 4;
+    let dirs = (tmp(), tmp());
+    let (_store, a, b) = two_replicas(&dirs).await?;
+    let admins = [a.admin()?, admin_of(&a, &b)?];
+    let leader = one_leader(&[&admins[0], &admins[1]], Duration::from_secs(15)).await?;
+    let follower = [&a, &b][1 - leader];
+    let admin = &admins[1 - leader];
+
+    // The pool, the token, the enrollments and every report go through the follower only.
+    let rollout = json!({"maxUnavailable": 1});
+    assert_eq!(admin.put("/v1/pools/web", &pool("one\n", rollout.clone())).await?.status, 200);
+    let token = follower.token(&["--usages", "4", "--labels", "pool=web"])?;
+    let states = tmp();
+    let (busy, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let mut agents = tokio::task::JoinSet::new();
+    for i in 0..MACHINES {
+        let name = format!("m{i}");
+        let client = follower.enroll(&name, &token, &states.path().join(&name))?;
+        agents.spawn(agent(vec![client], Duration::from_millis(300), busy.clone(), most.clone()));
+    }
+    // Without the leader hearing of them, each step would wait for its minute-long period.
+    wait_for_pool_web(admin, "revision 1 on every machine", 20, |p| rolled_out_to(p, 1, MACHINES)).await?;
+    most.store(busy.load(Ordering::SeqCst), Ordering::SeqCst);
+    let started = Instant::now();
+    assert_eq!(admin.put("/v1/pools/web", &pool("two\n", rollout)).await?.status, 200);
+    wait_for_pool_web(admin, "revision 2, one machine at a time", 30, |p| rolled_out_to(p, 2, MACHINES)).await?;
+    eprintln!("rolled out through the follower in {:.1}s", started.elapsed().as_secs_f64());
+    assert_eq!(most.load(Ordering::SeqCst), 1, "maxUnavailable is 1");
     agents.abort_all();
     Ok(())
 }

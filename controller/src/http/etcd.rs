@@ -43,7 +43,8 @@ async fn cluster_authority(app: &App, cluster: &Name) -> ApiResult<Arc<Authority
     let dir = app.etcd_pki.dir(cluster);
     let copy_it =
         || format!("copy {} from a replica that has issued certificates for it (docs/controller.md, \"Several replicas\")", dir.display());
-    if !shared_ca::present(&dir) && shared_ca::recorded(&*app.registry.store, &key).await?.is_some() {
+    let had = shared_ca::present(&dir);
+    if !had && shared_ca::recorded(&*app.registry.store, &key).await?.is_some() {
         return Err(ApiError::Unavailable(format!(
             "another controller replica made the CA of etcd cluster {cluster} and this one has no copy: {}",
             copy_it()
@@ -53,10 +54,16 @@ async fn cluster_authority(app: &App, cluster: &Name) -> ApiResult<Arc<Authority
     match shared_ca::pin(&*app.registry.store, &key, &authority.cert_pem).await {
         Ok(()) => Ok(authority),
         Err(SharedCaError::Store(e)) => Err(e.into()),
-        Err(SharedCaError::Mismatch { .. }) => Err(ApiError::Unavailable(format!(
-            "this replica's CA of etcd cluster {cluster} is not the one the other replicas use: {}",
-            copy_it()
-        ))),
+        Err(SharedCaError::Mismatch { .. }) => {
+            if !had {
+                // Made just now, while another replica's was on its way to this one's view.
+                app.etcd_pki.discard(cluster);
+            }
+            Err(ApiError::Unavailable(format!(
+                "this replica's CA of etcd cluster {cluster} is not the one the other replicas use: {}",
+                copy_it()
+            )))
+        }
     }
 }
 
