@@ -92,6 +92,10 @@ impl Registry {
             return Err(ApiError::invalid("ttlSeconds", format!("must be between {MIN_TTL_SECS} and {MAX_TTL_SECS}")));
         }
         let (key, budget, down, windows) = self.lease_scope(name).await?;
+        // Every lease of a pool is one key: taking requests one at a time in this process
+        // spares them a storm of compare-and-swap retries when a wave starts. The
+        // compare-and-swap still guards against other replicas.
+        let one_at_a_time = self.lease_lock.lock().await;
         for _ in 0..CAS_ATTEMPTS {
             let current: Option<Versioned<PoolLeases>> = self.get(&key).await?;
             let now = meta::now();
@@ -121,6 +125,7 @@ impl Registry {
             };
             match self.store.txn(vec![Op::Put { key: key.clone(), value: encode(&set), precondition }]).await {
                 Ok(_) => {
+                    drop(one_at_a_time);
                     self.record_event(
                         name.as_str(),
                         "Normal",
@@ -146,6 +151,10 @@ impl Registry {
             return Err(ApiError::invalid("ttlSeconds", format!("must be between {MIN_TTL_SECS} and {MAX_TTL_SECS}")));
         }
         let (key, ..) = self.lease_scope(name).await?;
+        // Every lease of a pool is one key: taking requests one at a time in this process
+        // spares them a storm of compare-and-swap retries when a wave starts. The
+        // compare-and-swap still guards against other replicas.
+        let one_at_a_time = self.lease_lock.lock().await;
         for _ in 0..CAS_ATTEMPTS {
             let Some(current) = self.get::<PoolLeases>(&key).await? else {
                 return Err(ApiError::NotFound(format!("lease {id} not found")));
@@ -172,6 +181,7 @@ impl Registry {
                 .await
             {
                 Ok(_) => {
+                    drop(one_at_a_time);
                     if result.is_none() {
                         self.record_event(name.as_str(), "Normal", "DisruptionReleased", &format!("lease {id}"), "controller").await?;
                     }

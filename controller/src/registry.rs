@@ -93,6 +93,8 @@ pub struct Registry {
     /// One rollout pass at a time in this process, so two passes never both fill the same
     /// free slot of a pool's budget.
     pub(crate) rollout_lock: tokio::sync::Mutex<()>,
+    /// Disruption lease changes, one at a time in this process (crate::leases).
+    pub(crate) lease_lock: tokio::sync::Mutex<()>,
     /// Woken when a pool member's progress changes (generation applied, Ready, Degraded,
     /// reachability), so rollouts move at once rather than at the next periodic pass.
     pub rollout_wake: tokio::sync::Notify,
@@ -175,6 +177,7 @@ impl Registry {
             authority,
             enroll_lock: tokio::sync::Mutex::new(()),
             rollout_lock: tokio::sync::Mutex::new(()),
+            lease_lock: tokio::sync::Mutex::new(()),
             rollout_wake: tokio::sync::Notify::new(),
         }
     }
