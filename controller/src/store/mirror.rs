@@ -11,16 +11,22 @@ use tokio::sync::{broadcast, watch};
 
 use super::{Change, Entry, Listing, StoreError, Watch};
 
-/// How many recent changes a watch can replay from.
+/// How many recent changes a watch can replay from…
 const CHANGE_LOG_LEN: usize = 20_000;
-/// How many live changes a slow watcher may fall behind before it must re-list.
-const BROADCAST_CAPACITY: usize = 8_192;
+/// …as long as their keys and values take no more than this (a change keeps the value it
+/// wrote alive after the key has moved on).
+const CHANGE_LOG_BYTES: usize = 32 << 20;
+/// How many live changes a slow watcher may fall behind before it must re-list (the buffer
+/// keeps as many values alive).
+const BROADCAST_CAPACITY: usize = 4_096;
 
 #[derive(Debug, Default)]
 pub(crate) struct Committed {
     pub entries: BTreeMap<String, Entry>,
     pub revision: u64,
     log: VecDeque<Arc<Change>>,
+    /// The keys' and values' bytes in `log`.
+    log_bytes: usize,
     /// The log holds every change after this revision. Revisions need not be consecutive
     /// (etcd's also count writes outside the prefix), so this, not the oldest change's
     /// revision, says how far back a watch can start.
@@ -39,7 +45,7 @@ impl Mirror {
     pub fn new(entries: BTreeMap<String, Entry>, revision: u64) -> Self {
         let (changes, _) = broadcast::channel(BROADCAST_CAPACITY);
         Mirror {
-            state: RwLock::new(Committed { entries, revision, log: VecDeque::new(), log_start: revision }),
+            state: RwLock::new(Committed { entries, revision, log: VecDeque::new(), log_bytes: 0, log_start: revision }),
             changes,
             published: watch::Sender::new(revision),
         }
@@ -89,12 +95,13 @@ impl Mirror {
                     state.entries.insert(change.entry.key.clone(), change.entry.clone());
                 }
                 let change = Arc::new(change);
-                if state.log.len() == CHANGE_LOG_LEN
-                    && let Some(dropped) = state.log.pop_front()
-                {
+                state.log_bytes += size(&change);
+                state.log.push_back(change.clone());
+                while state.log.len() > CHANGE_LOG_LEN || (state.log_bytes > CHANGE_LOG_BYTES && state.log.len() > 1) {
+                    let Some(dropped) = state.log.pop_front() else { break };
+                    state.log_bytes -= size(&dropped);
                     state.log_start = dropped.entry.mod_revision;
                 }
-                state.log.push_back(change.clone());
                 // No receivers is not an error.
                 let _ = self.changes.send(change);
             }
@@ -112,6 +119,10 @@ impl Mirror {
         let mut published = self.published.subscribe();
         tokio::time::timeout(limit, published.wait_for(|r| *r >= revision)).await.is_ok_and(|r| r.is_ok())
     }
+}
+
+fn size(change: &Change) -> usize {
+    change.entry.key.len() + change.entry.value.len()
 }
 
 #[cfg(test)]
@@ -148,6 +159,25 @@ mod tests {
         // Changes at 2 and 4 were dropped: a watch from 4 on is whole, one from 3 is not.
         assert!(mirror.watch("/", 4).is_ok());
         assert!(matches!(mirror.watch("/", 3), Err(StoreError::Compacted { oldest: 4, .. })));
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn the_log_keeps_no_more_than_its_bytes_of_old_values() -> Result<(), StoreError> {
+        let mirror = Mirror::new(BTreeMap::new(), 0);
+        let big: Arc<[u8]> = vec![b'x'; 1 << 20].into();
+        for r in 1..=40u64 {
+            let entry = Entry { key: "/big".into(), value: big.clone(), create_revision: 1, mod_revision: r };
+            mirror.publish([Change { deleted: false, entry }], r);
+        }
+        let state = mirror.read();
+        assert!(state.log_bytes <= CHANGE_LOG_BYTES, "{} bytes kept", state.log_bytes);
+        assert_eq!(state.log.len(), CHANGE_LOG_BYTES / ((1 << 20) + 4));
+        drop(state);
+        // A watch from before the kept changes must list again; one within them replays.
+        assert!(matches!(mirror.watch("/", 1), Err(StoreError::Compacted { .. })));
+        let mut recent = mirror.watch("/", 39)?;
+        assert_eq!(recent.next().await.ok_or(StoreError::Closed)??.entry.mod_revision, 40);
         Ok(())
     }
 }
