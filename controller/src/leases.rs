@@ -8,15 +8,16 @@
 //! machine in no pool), so counting and granting is one compare-and-swap: two controllers
 //! (or two requests) can never both take the last slot.
 
-use keelson_api::machine::Machine;
-use keelson_api::meta::{self, Name, Timestamp};
+use std::sync::Arc;
+
+use keelson_api::meta::{self, ConditionStatus, Name, Timestamp, condition};
 use keelson_api::pool::MachinePool;
 use keelson_api::window::MaintenanceWindow;
 use serde::{Deserialize, Serialize};
 
 use crate::error::ApiError;
 use crate::registry::{MACHINES, POOLS, Registry, Versioned, owning_pool};
-use crate::store::{Op, Precondition, StoreError};
+use crate::store::{Entry, Op, Precondition, StoreError};
 
 pub const LEASES: &str = "/leases/";
 pub const MIN_TTL_SECS: u64 = 10;
@@ -48,11 +49,39 @@ pub enum Decision {
     Wait { message: String },
 }
 
-/// Ready and reachable: not using the pool's disruption budget.
-fn is_available(m: &Machine) -> bool {
-    use keelson_api::meta::{ConditionStatus, condition, find_condition};
-    let status = |t| find_condition(&m.status.conditions, t).map(|c| c.status);
-    status(condition::READY) == Some(ConditionStatus::True) && status(condition::REACHABLE) != Some(ConditionStatus::False)
+/// What a lease decision needs of a machine: its labels (its pool) and its conditions.
+#[derive(Debug, Deserialize)]
+pub(crate) struct Brief {
+    metadata: BriefMeta,
+    #[serde(default)]
+    status: BriefStatus,
+}
+
+#[derive(Debug, Deserialize)]
+struct BriefMeta {
+    #[serde(default)]
+    labels: std::collections::BTreeMap<String, String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct BriefStatus {
+    #[serde(default)]
+    conditions: Vec<BriefCondition>,
+}
+
+#[derive(Debug, Deserialize)]
+struct BriefCondition {
+    #[serde(rename = "type")]
+    type_: String,
+    status: ConditionStatus,
+}
+
+impl Brief {
+    /// Ready and reachable: not using the pool's disruption budget.
+    fn available(&self) -> bool {
+        let status = |t: &str| self.status.conditions.iter().find(|c| c.type_ == t).map(|c| c.status);
+        status(condition::READY) == Some(ConditionStatus::True) && status(condition::REACHABLE) != Some(ConditionStatus::False)
+    }
 }
 
 fn encode<T: Serialize>(v: &T) -> Vec<u8> {
@@ -69,22 +98,53 @@ impl Registry {
         let (pools, _) = self.list::<MachinePool>(POOLS).await?;
         match owning_pool(&pools, &machine.object.metadata.labels) {
             Some(pool) => {
-                let (machines, _) = self.list::<Machine>(MACHINES).await?;
-                let members: Vec<&Machine> = machines
+                let listing = self.store.list(MACHINES).await?;
+                let briefs = self.briefs(&listing.entries);
+                let members: Vec<&(String, Arc<Brief>)> = briefs
                     .iter()
-                    .map(|m| &m.object)
-                    .filter(|m| owning_pool(&pools, &m.metadata.labels).map(|p| &p.metadata.name) == Some(&pool.metadata.name))
+                    .filter(|(_, b)| owning_pool(&pools, &b.metadata.labels).map(|p| &p.metadata.name) == Some(&pool.metadata.name))
                     .collect();
                 let down = members
                     .iter()
-                    .filter(|m| m.metadata.name.as_ref() != Some(name) && !is_available(m))
-                    .filter_map(|m| m.metadata.name.clone())
+                    .filter(|(n, b)| n.as_str() != name.as_str() && !b.available())
+                    .filter_map(|(n, _)| n.parse().ok())
                     .collect();
                 let budget = pool.spec.rollout.max_unavailable.resolve(members.len());
                 Ok((format!("{LEASES}{}", pool.metadata.name_str()), budget, down, pool.spec.rollout.maintenance_windows.clone()))
             }
             None => Ok((format!("{LEASES}-{name}"), 1, Vec::new(), Vec::new())),
         }
+    }
+
+    /// Every machine of `entries` as a lease decision sees it, each decoded once per stored
+    /// version: a fleet's lease requests would otherwise each decode every machine.
+    fn briefs(&self, entries: &[Entry]) -> Vec<(String, Arc<Brief>)> {
+        let mut cache = self.briefs.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out = Vec::with_capacity(entries.len());
+        for e in entries {
+            let Some(name) = e.key.strip_prefix(MACHINES) else { continue };
+            let brief = match cache.get(name) {
+                Some((revision, b)) if *revision == e.mod_revision => b.clone(),
+                _ => match serde_json::from_slice::<Brief>(&e.value) {
+                    Ok(b) => {
+                        let b = Arc::new(b);
+                        cache.insert(name.to_owned(), (e.mod_revision, b.clone()));
+                        b
+                    }
+                    Err(err) => {
+                        tracing::warn!(machine = name, error = %err, "a stored machine does not decode; leaving it out of lease decisions");
+                        continue;
+                    }
+                },
+            };
+            out.push((name.to_owned(), brief));
+        }
+        // Forget deleted machines now and then.
+        if cache.len() > 2 * entries.len() + 64 {
+            let live: std::collections::HashSet<&str> = entries.iter().filter_map(|e| e.key.strip_prefix(MACHINES)).collect();
+            cache.retain(|n, _| live.contains(n.as_str()));
+        }
+        out
     }
 
     pub async fn acquire_lease(&self, name: &Name, reason: &str, ttl_secs: u64) -> Result<Decision, ApiError> {

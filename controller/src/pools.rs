@@ -248,8 +248,10 @@ impl Registry {
     /// periodically so that rollouts move as machines report.
     pub async fn reconcile_pools(&self) -> Result<(), ApiError> {
         let _pass = self.rollout_lock.lock().await;
+        let started = std::time::Instant::now();
         let (pools, _) = self.list::<MachinePool>(POOLS).await?;
         let (machines, _) = self.list::<Machine>(MACHINES).await?;
+        let listed = started.elapsed();
         let mut members: BTreeMap<&str, Vec<&Machine>> = BTreeMap::new();
         let mut deleting: BTreeMap<&str, usize> = BTreeMap::new();
         for m in machines.iter().filter(|m| m.object.metadata.deletion_timestamp.is_some()) {
@@ -318,11 +320,19 @@ impl Registry {
                 .collect();
             // Each machine is its own compare-and-swap: many at once let the store commit
             // them together (one fsync, one etcd round trip each in parallel).
+            let given = give.len();
             futures_util::stream::iter(give)
                 .map(|n| async move { self.give_revision(&n, pool).await })
                 .buffer_unordered(GIVE_IN_PARALLEL)
                 .try_collect::<()>()
                 .await?;
+            tracing::debug!(
+                pool = name,
+                given,
+                listed_ms = listed.as_millis() as u64,
+                so_far_ms = started.elapsed().as_millis() as u64,
+                "rollout pass gave revisions"
+            );
             if let Some(replicas) = pool.spec.replicas {
                 let live = members.get(name).cloned().unwrap_or_default();
                 let budget = pool.spec.rollout.max_unavailable.resolve(live.len());

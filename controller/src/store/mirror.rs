@@ -170,10 +170,11 @@ mod tests {
             let entry = Entry { key: "/big".into(), value: big.clone(), create_revision: 1, mod_revision: r };
             mirror.publish([Change { deleted: false, entry }], r);
         }
-        let state = mirror.read();
-        assert!(state.log_bytes <= CHANGE_LOG_BYTES, "{} bytes kept", state.log_bytes);
-        assert_eq!(state.log.len(), CHANGE_LOG_BYTES / ((1 << 20) + 4));
-        drop(state);
+        {
+            let state = mirror.read();
+            assert!(state.log_bytes <= CHANGE_LOG_BYTES, "{} bytes kept", state.log_bytes);
+            assert_eq!(state.log.len(), CHANGE_LOG_BYTES / ((1 << 20) + 4));
+        }
         // A watch from before the kept changes must list again; one within them replays.
         assert!(matches!(mirror.watch("/", 1), Err(StoreError::Compacted { .. })));
         let mut recent = mirror.watch("/", 39)?;
