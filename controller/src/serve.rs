@@ -158,16 +158,16 @@ pub async fn run(opts: ServeOptions, cancel: CancellationToken) -> anyhow::Resul
     // Pool changes made through another replica reach the leader's pass this way.
     let wake = app.clone();
     tasks.spawn(follow_changes(store.clone(), POOLS, move || wake.registry.rollout_wake.notify_one(), cancel.clone()));
-    if let Some((client, name)) = election {
-        let identity = format!("{} {}", hostname(), server_url(&bound));
-        tasks.spawn(EtcdElection { client, name, identity }.run(leading_tx, cancel.clone()));
-    } else {
-        // Held until shutdown.
-        tasks.spawn(async move {
-            leading_tx.closed().await;
-            Ok(())
-        });
-    }
+    // Without an election the sender lives as long as this function: this replica leads
+    // throughout, and nothing waits on the sender to go.
+    let _single = match election {
+        Some((client, name)) => {
+            let identity = format!("{} {}", hostname(), server_url(&bound));
+            tasks.spawn(EtcdElection { client, name, identity }.run(leading_tx, cancel.clone()));
+            None
+        }
+        None => Some(leading_tx),
+    };
     tasks.spawn(follow_leadership(app.clone(), leading.clone(), cancel.clone()));
     let (reach, timeout) = (app.clone(), opts.unreachable_after);
     tasks.spawn(leader::while_leading(leading.clone(), cancel.clone(), move |term| reachability_loop(reach.clone(), timeout, term)));

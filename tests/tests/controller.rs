@@ -21,6 +21,27 @@ async fn revision(admin: &ApiClient) -> anyhow::Result<String> {
 
 keelson_tests::on_both_stores! {
     #[tokio::test]
+    async fn sigterm_stops_the_controller_promptly(store) -> R {
+        // systemd stops the service with SIGTERM and waits; so does the VM suite.
+        let dir = tmp();
+        let mut c = store.start(dir.path(), &[])?;
+        assert_eq!(c.anonymous()?.get("/healthz").await?.text, "ok\n");
+        let term = std::process::Command::new("kill").args(["-TERM", &c.child.id().to_string()]).status()?;
+        assert!(term.success());
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            if let Some(status) = c.child.try_wait()? {
+                assert!(status.success(), "exited with {status}");
+                return Ok(());
+            }
+            anyhow::ensure!(std::time::Instant::now() < deadline, "still running 10 s after SIGTERM");
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    }
+}
+
+keelson_tests::on_both_stores! {
+    #[tokio::test]
     async fn first_start_creates_the_ca_and_admin_conf_and_later_starts_reuse_them(store) -> R {
         let dir = tmp();
         let mut c = store.start(dir.path(), &[])?;
