@@ -11,6 +11,7 @@ use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
+use tower::Layer;
 
 use crate::pki::Peer;
 
@@ -52,7 +53,9 @@ pub async fn serve(listener: TcpListener, tls: Arc<rustls::ServerConfig>, router
                 }
             };
             let peer = tls.get_ref().1.peer_certificates().and_then(|c| c.first()).map_or(Peer::Anonymous, Peer::from_certificate);
-            let service = TowerToHyperService::new(router.layer(Extension(peer)));
+            // A layer on the service, not `Router::layer`: that would rebuild every route for
+            // each connection (about 20 KiB each, 200 MiB for a 10,000-machine fleet).
+            let service = TowerToHyperService::new(Extension(peer).layer(router));
             let builder = auto::Builder::new(TokioExecutor::new());
             let conn = builder.serve_connection(TokioIo::new(tls), service);
             if let Err(e) = watcher.watch(conn).await {
