@@ -8,19 +8,31 @@ use keelson_api::machine::{Machine, Phase};
 use keelson_api::meta::{self, ConditionStatus, Name, annotation, condition, find_condition, set_condition};
 use keelson_api::pool::{DeletionOrder, MachinePool, PoolEtcdStatus, PoolRevision, PoolStatus};
 use keelson_api::validate::validate_spec_change;
+use keelson_api::wire::Event;
 use sha2::Digest;
 
 use crate::error::ApiError;
 use crate::registry::{
-    Deletion, MACHINES, POOLS, REVISIONS, ROLLOUTS, Registry, Versioned, encode, new_uid, not_found, owning_pool, parse_resource_version,
+    Deletion, MACHINES, POOLS, event, REVISIONS, ROLLOUTS, Registry, Versioned, encode, new_uid, not_found, owning_pool, parse_resource_version,
 };
 use crate::rollout::{self, Member, RolloutState};
 use crate::store::{Op, Precondition, StoreError};
 
+/// Attempts of an operator's change to a pool that races the rollout pass's status writes.
+const CAS_ATTEMPTS: usize = 16;
 /// How a revision was made by an automatic undo (such revisions are not undone again).
 const AUTO_UNDO: &str = "auto undo";
-/// How many machines a rollout pass updates at the same time.
-const GIVE_IN_PARALLEL: usize = 64;
+/// A rollout pass gives machines their revision in transactions of at most this many
+/// writes (a machine and its events are two), within etcd's default of 128 operations...
+const GIVE_OPS_PER_TXN: usize = 100;
+/// ... and of at most this many bytes, well within etcd's default request limit (1.5 MiB)
+/// and the reply that reads the keys back when a transaction is refused.
+const GIVE_BYTES_PER_TXN: usize = 512 * 1024;
+/// Transactions of one pass in flight at once (etcd commits them in one round trip each).
+const GIVE_TXNS_IN_PARALLEL: usize = 4;
+/// Machines given their revision one by one at the same time, after a transaction is
+/// refused because one of its machines changed since the pass listed it.
+const GIVE_IN_PARALLEL: usize = 16;
 
 fn revision_key(pool: &str, revision: u64) -> String {
     format!("{REVISIONS}{pool}/{revision:020}")
@@ -28,6 +40,43 @@ fn revision_key(pool: &str, revision: u64) -> String {
 
 fn revision_record(revision: u64, cause: String, pool: &MachinePool) -> PoolRevision {
     PoolRevision { revision, created: meta::now(), cause, template: pool.spec.template.clone() }
+}
+
+/// Gives `machine` its pool's current template and revision. `None` when it has them
+/// already, or when its labels no longer match the pool; otherwise whether its spec changed
+/// (a new generation).
+fn take_revision(machine: &mut Machine, pool: &MachinePool) -> Option<bool> {
+    if !pool.spec.selector.matches(&machine.metadata.labels) {
+        return None;
+    }
+    let spec_changed = machine.spec != pool.spec.template.spec;
+    let lagging =
+        machine.status.pool.as_ref() != pool.metadata.name.as_ref() || machine.status.pool_revision != Some(pool.status.revision);
+    if !spec_changed && !lagging {
+        return None;
+    }
+    if spec_changed {
+        machine.spec = pool.spec.template.spec.clone();
+        machine.metadata.generation += 1;
+    }
+    machine.status.pool = pool.metadata.name.clone();
+    machine.status.pool_revision = Some(pool.status.revision);
+    Some(spec_changed)
+}
+
+/// The event of a machine given a new generation by its pool.
+fn spec_changed_event(machine: &Machine, pool: &MachinePool) -> Event {
+    let message =
+        format!("generation {} from pool {} revision {}", machine.metadata.generation, pool.metadata.name_str(), pool.status.revision);
+    event("Normal", "SpecChanged", message, "controller")
+}
+
+fn op_bytes(op: &Op) -> usize {
+    op.key().len()
+        + match op {
+            Op::Put { value, .. } => value.len(),
+            Op::Delete { .. } => 0,
+        }
 }
 
 /// How the scheduler sees a machine of a pool at `revision` with template `pool`.
@@ -85,11 +134,33 @@ pub fn pick_for_deletion<'a>(
 impl Registry {
     /// Creates or updates a pool. A template change makes a new revision, kept in the
     /// history; the rollout pass then moves the members to it at the pool's pace.
+    /// Without `metadata.resourceVersion` the write is tried again when the rollout pass
+    /// records the pool's status in between, as it does all the time during a rollout.
     pub async fn apply_pool(&self, input: MachinePool) -> Result<Versioned<MachinePool>, ApiError> {
         let name = input.metadata.name.clone().ok_or_else(|| ApiError::invalid("metadata.name", "is required"))?;
         let expected = parse_resource_version(input.metadata.resource_version.as_deref())?;
         let key = format!("{POOLS}{name}");
-        let current: Option<Versioned<MachinePool>> = self.get(&key).await?;
+        for _ in 0..CAS_ATTEMPTS {
+            let Some((applied, new_revision)) = self.apply_pool_once(input.clone(), &name, expected, &key).await? else { continue };
+            if new_revision {
+                self.prune_revisions(&applied.object).await?;
+            }
+            self.pass_if_leading().await?;
+            return Ok(applied);
+        }
+        Err(ApiError::Conflict(format!("pool {name} is changing too often to update; try again")))
+    }
+
+    /// One compare-and-swap of `apply_pool`: the pool as written and whether its template
+    /// made a new revision, or `None` when the pool changed since it was read here.
+    async fn apply_pool_once(
+        &self,
+        input: MachinePool,
+        name: &Name,
+        expected: Option<u64>,
+        key: &str,
+    ) -> Result<Option<(Versioned<MachinePool>, bool)>, ApiError> {
+        let current: Option<Versioned<MachinePool>> = self.get(key).await?;
         if let Some(rv) = expected
             && current.as_ref().map(|c| c.revision) != Some(rv)
         {
@@ -122,7 +193,7 @@ impl Registry {
                 (p, Precondition::Absent, true)
             }
         };
-        let mut ops = vec![Op::Put { key, value: encode(&pool), precondition }];
+        let mut ops = vec![Op::Put { key: key.to_owned(), value: encode(&pool), precondition }];
         if new_revision {
             let record = revision_record(pool.status.revision, "applied".into(), &pool);
             ops.push(Op::Put {
@@ -131,12 +202,12 @@ impl Registry {
                 precondition: Precondition::None,
             });
         }
-        let revision = self.store.txn(ops).await?;
-        if new_revision {
-            self.prune_revisions(&pool).await?;
+        match self.store.txn(ops).await {
+            Ok(revision) => Ok(Some((Versioned { object: pool, revision }, new_revision))),
+            // Created by someone else meanwhile, or changed by the rollout pass.
+            Err(StoreError::Conflict { .. }) if expected.is_none() => Ok(None),
+            Err(e) => Err(e.into()),
         }
-        self.pass_if_leading().await?;
-        Ok(Versioned { object: pool, revision })
     }
 
     /// Deletes a pool with its history and rollout state; its machines keep their specs.
@@ -180,17 +251,26 @@ impl Registry {
 
     /// Sets `spec.rollout.paused`.
     pub async fn set_paused(&self, name: &str, paused: bool) -> Result<Versioned<MachinePool>, ApiError> {
-        let current = self.pool(name).await?;
-        let mut pool = current.object;
-        if pool.spec.rollout.paused != paused {
-            pool.spec.rollout.paused = paused;
-            pool.metadata.generation += 1;
-        }
         let key = format!("{POOLS}{name}");
-        let revision =
-            self.store.txn(vec![Op::Put { key, value: encode(&pool), precondition: Precondition::Revision(current.revision) }]).await?;
-        self.pass_if_leading().await?;
-        Ok(Versioned { object: pool, revision })
+        for _ in 0..CAS_ATTEMPTS {
+            let current = self.pool(name).await?;
+            let mut pool = current.object;
+            if pool.spec.rollout.paused != paused {
+                pool.spec.rollout.paused = paused;
+                pool.metadata.generation += 1;
+            }
+            let put = Op::Put { key: key.clone(), value: encode(&pool), precondition: Precondition::Revision(current.revision) };
+            match self.store.txn(vec![put]).await {
+                Ok(revision) => {
+                    self.pass_if_leading().await?;
+                    return Ok(Versioned { object: pool, revision });
+                }
+                // The rollout pass recorded the pool's status meanwhile.
+                Err(StoreError::Conflict { .. }) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(ApiError::Conflict(format!("pool {name} is changing too often to update; try again")))
     }
 
     /// Rolls the pool back to an earlier revision's template (by default the newest earlier
@@ -198,7 +278,14 @@ impl Registry {
     pub async fn undo_pool(&self, name: &str, to: Option<u64>) -> Result<Versioned<MachinePool>, ApiError> {
         let pool = {
             let _pass = self.rollout_lock.lock().await;
-            self.undo_locked(name, to, None).await?
+            // Another replica's rollout pass may record the pool's status meanwhile.
+            let mut attempts = 1;
+            loop {
+                match self.undo_locked(name, to, None).await {
+                    Err(ApiError::Conflict(_)) if attempts < CAS_ATTEMPTS => attempts += 1,
+                    undone => break undone?,
+                }
+            }
         };
         self.pass_if_leading().await?;
         Ok(pool)
@@ -252,6 +339,8 @@ impl Registry {
         let (pools, _) = self.list::<MachinePool>(POOLS).await?;
         let (machines, _) = self.list::<Machine>(MACHINES).await?;
         let listed = started.elapsed();
+        let by_name: std::collections::HashMap<&str, &Versioned<Machine>> =
+            machines.iter().map(|m| (m.object.metadata.name_str(), m)).collect();
         let mut members: BTreeMap<&str, Vec<&Machine>> = BTreeMap::new();
         let mut deleting: BTreeMap<&str, usize> = BTreeMap::new();
         for m in machines.iter().filter(|m| m.object.metadata.deletion_timestamp.is_some()) {
@@ -306,7 +395,7 @@ impl Registry {
                 now: meta::now(),
             });
             let picked: std::collections::BTreeSet<&str> = decision.update.iter().map(String::as_str).collect();
-            let give: Vec<String> = members
+            let give: Vec<&Versioned<Machine>> = members
                 .get(name)
                 .into_iter()
                 .flatten()
@@ -316,16 +405,10 @@ impl Registry {
                         || machine.status.pool_revision != Some(pool.status.revision);
                     picked.contains(machine.metadata.name_str()) || (at_template && lagging)
                 })
-                .map(|machine| machine.metadata.name_str().to_owned())
+                .map(|machine| by_name[machine.metadata.name_str()])
                 .collect();
-            // Each machine is its own compare-and-swap: many at once let the store commit
-            // them together (one fsync, one etcd round trip each in parallel).
             let given = give.len();
-            futures_util::stream::iter(give)
-                .map(|n| async move { self.give_revision(&n, pool).await })
-                .buffer_unordered(GIVE_IN_PARALLEL)
-                .try_collect::<()>()
-                .await?;
+            self.give_revisions(&give, pool).await?;
             tracing::debug!(
                 pool = name,
                 given,
@@ -371,40 +454,70 @@ impl Registry {
         Ok(record.is_some_and(|r| r.object.cause.starts_with(AUTO_UNDO)))
     }
 
-    /// Gives a machine its pool's current template (a new generation when the spec changes).
+    /// Gives listed machines their pool's current template and revision, many to a
+    /// transaction: each machine (and its events) is a compare-and-swap on what the pass
+    /// listed, so a 10,000-machine fan-out is a few hundred commits, not 20,000. A refused
+    /// transaction commits nothing; its machines are then given their revision one by one,
+    /// each read afresh.
+    async fn give_revisions(&self, listed: &[&Versioned<Machine>], pool: &MachinePool) -> Result<(), ApiError> {
+        let mut batches: Vec<(Vec<String>, Vec<Op>, usize)> = vec![Default::default()];
+        for v in listed {
+            let mut machine = v.object.clone();
+            let Some(spec_changed) = take_revision(&mut machine, pool) else { continue };
+            let name = machine.metadata.name_str();
+            let mut ops = Vec::with_capacity(2);
+            if spec_changed {
+                ops.push(self.events_op(name, &[spec_changed_event(&machine, pool)]).await?);
+            }
+            ops.push(Op::Put {
+                key: format!("{MACHINES}{name}"),
+                value: encode(&machine),
+                precondition: Precondition::Revision(v.revision),
+            });
+            let bytes: usize = ops.iter().map(op_bytes).sum();
+            let (_, last_ops, last_bytes) = batches.last().expect("never empty");
+            if !last_ops.is_empty() && (last_ops.len() + ops.len() > GIVE_OPS_PER_TXN || last_bytes + bytes > GIVE_BYTES_PER_TXN) {
+                batches.push(Default::default());
+            }
+            let (names, batch, batch_bytes) = batches.last_mut().expect("never empty");
+            names.push(v.object.metadata.name_str().to_owned());
+            batch.extend(ops);
+            *batch_bytes += bytes;
+        }
+        batches.retain(|(names, ..)| !names.is_empty());
+        futures_util::stream::iter(batches)
+            .map(|(names, ops, _)| async move {
+                match self.store.txn(ops).await {
+                    Ok(_) => Ok(()),
+                    Err(StoreError::Conflict { .. }) => {
+                        futures_util::stream::iter(names)
+                            .map(|n| async move { self.give_revision(&n, pool).await })
+                            .buffer_unordered(GIVE_IN_PARALLEL)
+                            .try_collect::<()>()
+                            .await
+                    }
+                    Err(e) => Err(e.into()),
+                }
+            })
+            .buffer_unordered(GIVE_TXNS_IN_PARALLEL)
+            .try_collect::<()>()
+            .await
+    }
+
+    /// Gives one machine its pool's current template, as it is stored now.
     async fn give_revision(&self, name: &str, pool: &MachinePool) -> Result<(), ApiError> {
         let mut spec_changed = false;
         let result = self
-            .update_machine(name, |machine| {
-                // Re-check: its labels may have moved it since the listing.
-                if !pool.spec.selector.matches(&machine.metadata.labels) {
-                    return Ok(false);
+            .update_machine(name, |machine| match take_revision(machine, pool) {
+                Some(changed) => {
+                    spec_changed = changed;
+                    Ok(true)
                 }
-                spec_changed = machine.spec != pool.spec.template.spec;
-                let lagging = machine.status.pool.as_ref() != pool.metadata.name.as_ref()
-                    || machine.status.pool_revision != Some(pool.status.revision);
-                if !spec_changed && !lagging {
-                    return Ok(false);
-                }
-                if spec_changed {
-                    machine.spec = pool.spec.template.spec.clone();
-                    machine.metadata.generation += 1;
-                }
-                machine.status.pool = pool.metadata.name.clone();
-                machine.status.pool_revision = Some(pool.status.revision);
-                Ok(true)
+                None => Ok(false),
             })
             .await;
         match result {
-            Ok(updated) if spec_changed => {
-                let message = format!(
-                    "generation {} from pool {} revision {}",
-                    updated.object.metadata.generation,
-                    pool.metadata.name_str(),
-                    pool.status.revision
-                );
-                self.record_event(name, "Normal", "SpecChanged", &message, "controller").await
-            }
+            Ok(updated) if spec_changed => self.append_events(name, vec![spec_changed_event(&updated.object, pool)]).await,
             Ok(_) | Err(ApiError::NotFound(_)) => Ok(()),
             Err(e) => Err(e),
         }

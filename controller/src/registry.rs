@@ -113,6 +113,11 @@ fn decode<T: DeserializeOwned>(key: &str, bytes: &[u8]) -> Result<T, ApiError> {
     serde_json::from_slice(bytes).map_err(|e| ApiError::Internal(format!("stored object {key} is unreadable: {e}")))
 }
 
+/// An event of a machine's history, as of now.
+pub(crate) fn event(type_: &str, reason: &str, message: String, source: &str) -> Event {
+    Event { time: meta::now(), type_: type_.to_owned(), reason: reason.to_owned(), message, source: source.to_owned() }
+}
+
 pub(crate) fn not_found(kind: &str, name: &str) -> ApiError {
     ApiError::NotFound(format!("{kind} {name:?} not found"))
 }
@@ -530,35 +535,33 @@ impl Registry {
     }
 
     pub async fn record_event(&self, name: &str, type_: &str, reason: &str, message: &str, source: &str) -> Result<(), ApiError> {
-        let event = Event {
-            time: meta::now(),
-            type_: type_.to_owned(),
-            reason: reason.to_owned(),
-            message: message.to_owned(),
-            source: source.to_owned(),
-        };
-        self.append_events(name, vec![event]).await
+        self.append_events(name, vec![event(type_, reason, message.to_owned(), source)]).await
     }
 
     pub async fn append_events(&self, name: &str, events: Vec<Event>) -> Result<(), ApiError> {
-        let key = format!("{EVENTS}{name}");
         for _ in 0..CAS_ATTEMPTS {
-            let current: Option<Versioned<Vec<Event>>> = self.get(&key).await?;
-            let (mut list, precondition) = match current {
-                Some(v) => (v.object, Precondition::Revision(v.revision)),
-                None => (Vec::new(), Precondition::Absent),
-            };
-            list.extend(events.iter().cloned());
-            if list.len() > EVENTS_KEPT {
-                list.drain(..list.len() - EVENTS_KEPT);
-            }
-            match self.store.txn(vec![Op::Put { key: key.clone(), value: encode(&list), precondition }]).await {
+            match self.store.txn(vec![self.events_op(name, &events).await?]).await {
                 Ok(_) => return Ok(()),
                 Err(StoreError::Conflict { .. }) => continue,
                 Err(e) => return Err(e.into()),
             }
         }
         Err(ApiError::Conflict(format!("events of {name} are changing too often; try again")))
+    }
+
+    /// The write that appends `events` to a machine's history as it is stored now (the
+    /// oldest dropped beyond `EVENTS_KEPT`), conditional on the history not changing meanwhile.
+    pub(crate) async fn events_op(&self, name: &str, events: &[Event]) -> Result<Op, ApiError> {
+        let key = format!("{EVENTS}{name}");
+        let (mut list, precondition) = match self.get::<Vec<Event>>(&key).await? {
+            Some(v) => (v.object, Precondition::Revision(v.revision)),
+            None => (Vec::new(), Precondition::Absent),
+        };
+        list.extend_from_slice(events);
+        if list.len() > EVENTS_KEPT {
+            list.drain(..list.len() - EVENTS_KEPT);
+        }
+        Ok(Op::Put { key, value: encode(&list), precondition })
     }
 
     pub async fn events(&self, name: &str) -> Result<Vec<Event>, ApiError> {
