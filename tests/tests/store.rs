@@ -131,6 +131,21 @@ async fn watch_replays_then_follows(store: &dyn Store) -> R {
     assert!(second.deleted);
     // A delete carries the value the key had, at the revision of the delete.
     assert_eq!((second.entry.key.as_str(), &second.entry.value[..], second.entry.mod_revision), ("/m/a", &b"1"[..], deleted_at));
+
+    // Every key of a transaction shares its revision; a watch delivers each of them, live
+    // and replayed (a rollout pass gives 50 machines their spec in one transaction).
+    let put = |key: &str| Op::Put { key: key.to_owned(), value: b"t".to_vec(), precondition: Precondition::None };
+    let together = store.txn(vec![put("/m/t1"), put("/other2"), put("/m/t2"), put("/m/t3")]).await?;
+    let mut replayed = store.watch("/m/", deleted_at).await?;
+    for w in [&mut watch, &mut replayed] {
+        let mut seen = Vec::new();
+        for _ in 0..3 {
+            let c = next_change(w).await?;
+            seen.push((c.entry.key, c.entry.mod_revision));
+        }
+        let expected: Vec<(String, u64)> = ["/m/t1", "/m/t2", "/m/t3"].iter().map(|k| (k.to_string(), together)).collect();
+        assert_eq!(seen, expected);
+    }
     Ok(())
 }
 

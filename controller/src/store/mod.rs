@@ -95,12 +95,15 @@ pub struct Watch {
     prefix: String,
     backlog: std::collections::VecDeque<Change>,
     live: broadcast::Receiver<Arc<Change>>,
+    /// The revision watched from.
+    after: u64,
+    /// The revision of the last change delivered.
     last_revision: u64,
 }
 
 impl Watch {
     pub(crate) fn new(prefix: String, backlog: Vec<Change>, live: broadcast::Receiver<Arc<Change>>, after: u64) -> Self {
-        Watch { prefix, backlog: backlog.into(), live, last_revision: after }
+        Watch { prefix, backlog: backlog.into(), live, after, last_revision: after }
     }
 
     pub async fn next(&mut self) -> Option<Result<Change, StoreError>> {
@@ -111,8 +114,10 @@ impl Watch {
         loop {
             match self.live.recv().await {
                 Ok(change) => {
-                    // The backlog may already hold what was broadcast while it was read.
-                    if change.entry.mod_revision <= self.last_revision || !change.entry.key.starts_with(&self.prefix) {
+                    // The backlog and the live stream never overlap (the mirror takes both
+                    // under one lock). A transaction's changes share one revision: compare
+                    // with the revision watched from, not with the last change delivered.
+                    if change.entry.mod_revision <= self.after || !change.entry.key.starts_with(&self.prefix) {
                         continue;
                     }
                     self.last_revision = change.entry.mod_revision;
