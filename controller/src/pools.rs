@@ -13,7 +13,8 @@ use sha2::Digest;
 
 use crate::error::ApiError;
 use crate::registry::{
-    Deletion, MACHINES, POOLS, event, REVISIONS, ROLLOUTS, Registry, Versioned, encode, new_uid, not_found, owning_pool, parse_resource_version,
+    Deletion, MACHINES, POOLS, REVISIONS, ROLLOUTS, Registry, Versioned, encode, event, new_uid, not_found, owning_pool,
+    parse_resource_version,
 };
 use crate::rollout::{self, Member, RolloutState};
 use crate::store::{Op, Precondition, StoreError};
@@ -50,8 +51,7 @@ fn take_revision(machine: &mut Machine, pool: &MachinePool) -> Option<bool> {
         return None;
     }
     let spec_changed = machine.spec != pool.spec.template.spec;
-    let lagging =
-        machine.status.pool.as_ref() != pool.metadata.name.as_ref() || machine.status.pool_revision != Some(pool.status.revision);
+    let lagging = machine.status.pool.as_ref() != pool.metadata.name.as_ref() || machine.status.pool_revision != Some(pool.status.revision);
     if !spec_changed && !lagging {
         return None;
     }
