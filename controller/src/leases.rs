@@ -16,13 +16,12 @@ use keelson_api::window::MaintenanceWindow;
 use serde::{Deserialize, Serialize};
 
 use crate::error::ApiError;
-use crate::registry::{MACHINES, POOLS, Registry, Versioned, owning_pool};
+use crate::registry::{CAS_ATTEMPTS, MACHINES, POOLS, Registry, Versioned, owning_pool};
 use crate::store::{Entry, Op, Precondition, StoreError};
 
 pub const LEASES: &str = "/leases/";
 pub const MIN_TTL_SECS: u64 = 10;
 pub const MAX_TTL_SECS: u64 = 3600;
-const CAS_ATTEMPTS: usize = 16;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]

@@ -13,14 +13,12 @@ use sha2::Digest;
 
 use crate::error::ApiError;
 use crate::registry::{
-    Deletion, MACHINES, POOLS, REVISIONS, ROLLOUTS, Registry, Versioned, encode, event, new_uid, not_found, owning_pool,
+    CAS_ATTEMPTS, Deletion, MACHINES, POOLS, REVISIONS, ROLLOUTS, Registry, Versioned, encode, event, new_uid, not_found, owning_pool,
     parse_resource_version,
 };
 use crate::rollout::{self, Member, RolloutState};
 use crate::store::{Op, Precondition, StoreError};
 
-/// Attempts of an operator's change to a pool that races the rollout pass's status writes.
-const CAS_ATTEMPTS: usize = 16;
 /// How a revision was made by an automatic undo (such revisions are not undone again).
 const AUTO_UNDO: &str = "auto undo";
 /// A rollout pass gives machines their revision in transactions of at most this many
@@ -51,8 +49,7 @@ fn take_revision(machine: &mut Machine, pool: &MachinePool) -> Option<bool> {
         return None;
     }
     let spec_changed = machine.spec != pool.spec.template.spec;
-    let lagging = machine.status.pool.as_ref() != pool.metadata.name.as_ref() || machine.status.pool_revision != Some(pool.status.revision);
-    if !spec_changed && !lagging {
+    if !spec_changed && !lags(machine, pool) {
         return None;
     }
     if spec_changed {
@@ -62,6 +59,11 @@ fn take_revision(machine: &mut Machine, pool: &MachinePool) -> Option<bool> {
     machine.status.pool = pool.metadata.name.clone();
     machine.status.pool_revision = Some(pool.status.revision);
     Some(spec_changed)
+}
+
+/// Whether a machine's record of its pool and revision is not the pool's current one.
+fn lags(machine: &Machine, pool: &MachinePool) -> bool {
+    machine.status.pool.as_ref() != pool.metadata.name.as_ref() || machine.status.pool_revision != Some(pool.status.revision)
 }
 
 /// The event of a machine given a new generation by its pool.
@@ -401,9 +403,7 @@ impl Registry {
                 .flatten()
                 .filter(|machine| {
                     let at_template = machine.spec == pool.spec.template.spec;
-                    let lagging = machine.status.pool.as_ref() != pool.metadata.name.as_ref()
-                        || machine.status.pool_revision != Some(pool.status.revision);
-                    picked.contains(machine.metadata.name_str()) || (at_template && lagging)
+                    picked.contains(machine.metadata.name_str()) || (at_template && lags(machine, pool))
                 })
                 .map(|machine| by_name[machine.metadata.name_str()])
                 .collect();
@@ -460,7 +460,8 @@ impl Registry {
     /// transaction commits nothing; its machines are then given their revision one by one,
     /// each read afresh.
     async fn give_revisions(&self, listed: &[&Versioned<Machine>], pool: &MachinePool) -> Result<(), ApiError> {
-        let mut batches: Vec<(Vec<String>, Vec<Op>, usize)> = vec![Default::default()];
+        // Each transaction: the machines' names (to retry one by one), its ops, its bytes.
+        let mut batches: Vec<(Vec<String>, Vec<Op>, usize)> = Vec::new();
         for v in listed {
             let mut machine = v.object.clone();
             let Some(spec_changed) = take_revision(&mut machine, pool) else { continue };
@@ -475,16 +476,17 @@ impl Registry {
                 precondition: Precondition::Revision(v.revision),
             });
             let bytes: usize = ops.iter().map(op_bytes).sum();
-            let (_, last_ops, last_bytes) = batches.last().expect("never empty");
-            if !last_ops.is_empty() && (last_ops.len() + ops.len() > GIVE_OPS_PER_TXN || last_bytes + bytes > GIVE_BYTES_PER_TXN) {
+            let full = batches.last().is_none_or(|(_, batch, batch_bytes)| {
+                batch.len() + ops.len() > GIVE_OPS_PER_TXN || batch_bytes + bytes > GIVE_BYTES_PER_TXN
+            });
+            if full {
                 batches.push(Default::default());
             }
-            let (names, batch, batch_bytes) = batches.last_mut().expect("never empty");
-            names.push(v.object.metadata.name_str().to_owned());
+            let (names, batch, batch_bytes) = batches.last_mut().expect("pushed above when empty");
+            names.push(name.to_owned());
             batch.extend(ops);
             *batch_bytes += bytes;
         }
-        batches.retain(|(names, ..)| !names.is_empty());
         futures_util::stream::iter(batches)
             .map(|(names, ops, _)| async move {
                 match self.store.txn(ops).await {

@@ -41,7 +41,7 @@ pub const ETCD_CLUSTERS: &str = "/etcd-clusters/";
 /// Events kept per machine.
 const EVENTS_KEPT: usize = 200;
 /// Attempts at a read-modify-write before giving up on a busy key.
-const CAS_ATTEMPTS: usize = 16;
+pub(crate) const CAS_ATTEMPTS: usize = 16;
 const DEFAULT_TOKEN_TTL_SECS: u64 = 24 * 3600;
 const MAX_TOKEN_TTL_SECS: u64 = 365 * 24 * 3600;
 
