@@ -8,16 +8,16 @@
 //! machine in no pool), so counting and granting is one compare-and-swap: two controllers
 //! (or two requests) can never both take the last slot.
 
-use std::sync::Arc;
+use std::collections::HashSet;
 
-use keelson_api::meta::{self, ConditionStatus, Name, Timestamp, condition};
+use keelson_api::meta::{self, Name, Timestamp};
 use keelson_api::pool::MachinePool;
 use keelson_api::window::MaintenanceWindow;
 use serde::{Deserialize, Serialize};
 
 use crate::error::ApiError;
-use crate::registry::{CAS_ATTEMPTS, MACHINES, POOLS, Registry, Versioned, owning_pool};
-use crate::store::{Entry, Op, Precondition, StoreError};
+use crate::registry::{CAS_ATTEMPTS, POOLS, Registry, Versioned, owning_pool};
+use crate::store::{Op, Precondition, StoreError};
 
 pub const LEASES: &str = "/leases/";
 pub const MIN_TTL_SECS: u64 = 10;
@@ -48,39 +48,18 @@ pub enum Decision {
     Wait { message: String },
 }
 
-/// What a lease decision needs of a machine: its labels (its pool) and its conditions.
-#[derive(Debug, Deserialize)]
-pub(crate) struct Brief {
-    metadata: BriefMeta,
-    #[serde(default)]
-    status: BriefStatus,
-}
-
-#[derive(Debug, Deserialize)]
-struct BriefMeta {
-    #[serde(default)]
-    labels: std::collections::BTreeMap<String, String>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-struct BriefStatus {
-    #[serde(default)]
-    conditions: Vec<BriefCondition>,
-}
-
-#[derive(Debug, Deserialize)]
-struct BriefCondition {
-    #[serde(rename = "type")]
-    type_: String,
-    status: ConditionStatus,
-}
-
-impl Brief {
-    /// Ready and reachable: not using the pool's disruption budget.
-    fn available(&self) -> bool {
-        let status = |t: &str| self.status.conditions.iter().find(|c| c.type_ == t).map(|c| c.status);
-        status(condition::READY) == Some(ConditionStatus::True) && status(condition::REACHABLE) != Some(ConditionStatus::False)
+/// Why no lease can be granted now, when the holders and the other unavailable members
+/// (counted once when a holder is also down) fill the budget.
+fn over_budget(leases: &[Lease], down: &[Name], budget: usize) -> Option<String> {
+    let holders: HashSet<&Name> = leases.iter().map(|l| &l.machine).collect();
+    let unavailable: Vec<&Name> = down.iter().filter(|d| !holders.contains(d)).collect();
+    let taken = leases.len() + unavailable.len();
+    if taken < budget {
+        return None;
     }
+    let all: Vec<String> =
+        leases.iter().map(|l| l.machine.to_string()).chain(unavailable.iter().map(|d| format!("{d} (not Ready)"))).collect();
+    Some(format!("{taken} of {budget} allowed unavailable ({})", all.join(", ")))
 }
 
 fn encode<T: Serialize>(v: &T) -> Vec<u8> {
@@ -95,55 +74,19 @@ impl Registry {
     async fn lease_scope(&self, name: &Name) -> Result<(String, usize, Vec<Name>, Vec<MaintenanceWindow>), ApiError> {
         let machine = self.machine(name.as_str()).await?;
         let (pools, _) = self.list::<MachinePool>(POOLS).await?;
-        match owning_pool(&pools, &machine.object.metadata.labels) {
-            Some(pool) => {
-                let listing = self.store.list(MACHINES).await?;
-                let briefs = self.briefs(&listing.entries);
-                let members: Vec<&(String, Arc<Brief>)> = briefs
-                    .iter()
-                    .filter(|(_, b)| owning_pool(&pools, &b.metadata.labels).map(|p| &p.metadata.name) == Some(&pool.metadata.name))
-                    .collect();
-                let down = members
-                    .iter()
-                    .filter(|(n, b)| n.as_str() != name.as_str() && !b.available())
-                    .filter_map(|(n, _)| n.parse().ok())
-                    .collect();
-                let budget = pool.spec.rollout.max_unavailable.resolve(members.len());
-                Ok((format!("{LEASES}{}", pool.metadata.name_str()), budget, down, pool.spec.rollout.maintenance_windows.clone()))
+        let Some(pool) = owning_pool(&pools, &machine.object.metadata.labels) else {
+            return Ok((format!("{LEASES}-{name}"), 1, Vec::new(), Vec::new()));
+        };
+        let (members, down) = {
+            let mut census = self.census.lock().unwrap_or_else(|e| e.into_inner());
+            census.catch_up(&*self.store, &pools);
+            match census.tally(pool.metadata.name_str()) {
+                Some(t) => (t.members, t.down.iter().filter(|n| n.as_str() != name.as_str()).filter_map(|n| n.parse().ok()).collect()),
+                None => (0, Vec::new()),
             }
-            None => Ok((format!("{LEASES}-{name}"), 1, Vec::new(), Vec::new())),
-        }
-    }
-
-    /// Every machine of `entries` as a lease decision sees it, each decoded once per stored
-    /// version: a fleet's lease requests would otherwise each decode every machine.
-    fn briefs(&self, entries: &[Entry]) -> Vec<(String, Arc<Brief>)> {
-        let mut cache = self.briefs.lock().unwrap_or_else(|e| e.into_inner());
-        let mut out = Vec::with_capacity(entries.len());
-        for e in entries {
-            let Some(name) = e.key.strip_prefix(MACHINES) else { continue };
-            let brief = match cache.get(name) {
-                Some((revision, b)) if *revision == e.mod_revision => b.clone(),
-                _ => match serde_json::from_slice::<Brief>(&e.value) {
-                    Ok(b) => {
-                        let b = Arc::new(b);
-                        cache.insert(name.to_owned(), (e.mod_revision, b.clone()));
-                        b
-                    }
-                    Err(err) => {
-                        tracing::warn!(machine = name, error = %err, "a stored machine does not decode; leaving it out of lease decisions");
-                        continue;
-                    }
-                },
-            };
-            out.push((name.to_owned(), brief));
-        }
-        // Forget deleted machines now and then.
-        if cache.len() > 2 * entries.len() + 64 {
-            let live: std::collections::HashSet<&str> = entries.iter().filter_map(|e| e.key.strip_prefix(MACHINES)).collect();
-            cache.retain(|n, _| live.contains(n.as_str()));
-        }
-        out
+        };
+        let budget = pool.spec.rollout.max_unavailable.resolve(members);
+        Ok((format!("{LEASES}{}", pool.metadata.name_str()), budget, down, pool.spec.rollout.maintenance_windows.clone()))
     }
 
     pub async fn acquire_lease(&self, name: &Name, reason: &str, ttl_secs: u64) -> Result<Decision, ApiError> {
@@ -171,11 +114,8 @@ impl Registry {
             } else if !keelson_api::window::any_open(&windows, now) {
                 let message = format!("outside the maintenance windows ({})", keelson_api::window::describe(&windows));
                 return Ok(Decision::Wait { message });
-            } else if set.leases.len() + down.iter().filter(|d| !set.leases.iter().any(|l| &l.machine == *d)).count() >= budget {
-                let holders = set.leases.iter().map(|l| l.machine.to_string());
-                let unavailable = down.iter().filter(|d| !set.leases.iter().any(|l| &l.machine == *d)).map(|d| format!("{d} (not Ready)"));
-                let all: Vec<String> = holders.chain(unavailable).collect();
-                return Ok(Decision::Wait { message: format!("{} of {budget} allowed unavailable ({})", all.len(), all.join(", ")) });
+            } else if let Some(message) = over_budget(&set.leases, &down, budget) {
+                return Ok(Decision::Wait { message });
             } else {
                 let id: [u8; 8] = rand::random();
                 let l = Lease { id: hex::encode(id), machine: name.clone(), reason: reason.to_owned(), granted_at: now, expires_at };

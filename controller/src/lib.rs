@@ -2,6 +2,7 @@
 //! BootstrapTokens in its store, enrolls machines with mTLS identities, serves each agent its
 //! spec and records its status, and watches for machines that fall silent.
 
+mod census;
 pub mod error;
 pub mod etcd_pki;
 pub mod http;

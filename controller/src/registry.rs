@@ -95,8 +95,8 @@ pub struct Registry {
     pub(crate) rollout_lock: tokio::sync::Mutex<()>,
     /// Disruption lease changes, one at a time in this process (crate::leases).
     pub(crate) lease_lock: tokio::sync::Mutex<()>,
-    /// Machines as lease decisions see them, by name, with the revision they were decoded at.
-    pub(crate) briefs: std::sync::Mutex<std::collections::HashMap<String, (u64, Arc<crate::leases::Brief>)>>,
+    /// The pools' members and which are unavailable, for lease decisions (crate::census).
+    pub(crate) census: std::sync::Mutex<crate::census::Census>,
     /// Woken when a pool member's progress changes (generation applied, Ready, Degraded,
     /// reachability), so rollouts move at once rather than at the next periodic pass.
     pub rollout_wake: tokio::sync::Notify,
@@ -185,7 +185,7 @@ impl Registry {
             enroll_lock: tokio::sync::Mutex::new(()),
             rollout_lock: tokio::sync::Mutex::new(()),
             lease_lock: tokio::sync::Mutex::new(()),
-            briefs: std::sync::Mutex::new(std::collections::HashMap::new()),
+            census: std::sync::Mutex::new(crate::census::Census::default()),
             rollout_wake: tokio::sync::Notify::new(),
         }
     }

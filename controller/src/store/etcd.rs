@@ -27,7 +27,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::mirror::Mirror;
-use super::{Change, Entry, Listing, Op, Precondition, Store, StoreError, Watch};
+use super::{Change, Entry, Listing, Op, Precondition, Since, Store, StoreError, Watch};
 
 /// The prefix when the operator names none.
 pub const DEFAULT_PREFIX: &str = "/keelson";
@@ -316,6 +316,10 @@ impl Store for EtcdStore {
 
     fn revision(&self) -> u64 {
         self.mirror.revision()
+    }
+
+    fn since(&self, prefix: &str, after: Option<u64>) -> Since {
+        self.mirror.since(prefix, after)
     }
 }
 

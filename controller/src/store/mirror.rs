@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use tokio::sync::{broadcast, watch};
 
-use super::{Change, Entry, Listing, StoreError, Watch};
+use super::{Change, Entry, Listing, Since, StoreError, Watch};
 
 /// How many recent changes a watch can replay from…
 const CHANGE_LOG_LEN: usize = 20_000;
@@ -41,6 +41,13 @@ pub(crate) struct Mirror {
     published: watch::Sender<u64>,
 }
 
+impl Committed {
+    fn listing(&self, prefix: &str) -> Listing {
+        let entries = self.entries.range(prefix.to_owned()..).take_while(|(k, _)| k.starts_with(prefix)).map(|(_, e)| e.clone()).collect();
+        Listing { entries, revision: self.revision }
+    }
+}
+
 impl Mirror {
     pub fn new(entries: BTreeMap<String, Entry>, revision: u64) -> Self {
         let (changes, _) = broadcast::channel(BROADCAST_CAPACITY);
@@ -62,9 +69,21 @@ impl Mirror {
     }
 
     pub fn list(&self, prefix: &str) -> Listing {
+        self.read().listing(prefix)
+    }
+
+    /// What changed under `prefix` after revision `after`: the changes, while the log still
+    /// holds them all, else a whole listing. `None` asks for the listing.
+    pub fn since(&self, prefix: &str, after: Option<u64>) -> Since {
         let state = self.read();
-        let entries = state.entries.range(prefix.to_owned()..).take_while(|(k, _)| k.starts_with(prefix)).map(|(_, e)| e.clone()).collect();
-        Listing { entries, revision: state.revision }
+        match after {
+            Some(after) if after >= state.log_start => {
+                let first = state.log.partition_point(|c| c.entry.mod_revision <= after);
+                let changes = state.log.range(first..).filter(|c| c.entry.key.starts_with(prefix)).cloned().collect();
+                Since::Changes { changes, revision: state.revision }
+            }
+            _ => Since::Listing(state.listing(prefix)),
+        }
     }
 
     pub fn revision(&self) -> u64 {

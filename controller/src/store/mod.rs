@@ -139,6 +139,16 @@ pub struct Listing {
     pub revision: u64,
 }
 
+/// What changed under a prefix since a revision (`Store::since`).
+#[derive(Debug)]
+pub enum Since {
+    /// Every change after the revision asked for, in order, and the revision they bring the
+    /// reader to.
+    Changes { changes: Vec<Arc<Change>>, revision: u64 },
+    /// The changes are no longer all kept: everything under the prefix now.
+    Listing(Listing),
+}
+
 #[async_trait]
 pub trait Store: Send + Sync + std::fmt::Debug + 'static {
     async fn get(&self, key: &str) -> Result<Option<Entry>, StoreError>;
@@ -150,6 +160,9 @@ pub trait Store: Send + Sync + std::fmt::Debug + 'static {
     async fn watch(&self, prefix: &str, after: u64) -> Result<Watch, StoreError>;
     /// The newest committed revision.
     fn revision(&self) -> u64;
+    /// What changed under `prefix` after revision `after` (`None`: a listing), from memory:
+    /// for a cache that keeps up with the store without listing it each time.
+    fn since(&self, prefix: &str, after: Option<u64>) -> Since;
 }
 
 /// Conveniences over `txn` for the common single-key writes.

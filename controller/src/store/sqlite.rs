@@ -19,7 +19,7 @@ use rusqlite::{Connection, params};
 use tokio::sync::{mpsc, oneshot};
 
 use super::mirror::Mirror;
-use super::{Change, Entry, Listing, Op, Store, StoreError, Watch};
+use super::{Change, Entry, Listing, Op, Since, Store, StoreError, Watch};
 
 /// The most requests committed in one transaction.
 const MAX_BATCH: usize = 512;
@@ -128,6 +128,10 @@ impl Store for SqliteStore {
 
     fn revision(&self) -> u64 {
         self.mirror.revision()
+    }
+
+    fn since(&self, prefix: &str, after: Option<u64>) -> Since {
+        self.mirror.since(prefix, after)
     }
 }
 
