@@ -17,7 +17,7 @@
 //! stack (rustls, hyper, axum, the controller's TLS setup) that answers every status without
 //! storing it: what the controller's own work adds is the difference.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -62,6 +62,9 @@ struct Stats {
     status_ms: Mutex<Vec<f64>>,
     recording: AtomicBool,
     status_errors: AtomicU64,
+    /// How many status reports failed, by error (its first line, cut short): a count alone
+    /// does not say whether the controller refused, conflicted or timed out.
+    status_error_kinds: Mutex<BTreeMap<String, u64>>,
     /// Template marker → when each machine received it.
     received: Mutex<HashMap<String, Vec<Instant>>>,
     lease_waits: AtomicU64,
@@ -193,6 +196,7 @@ async fn run(args: &Args) -> anyhow::Result<serde_json::Value> {
         "status_p99_ms": round(percentile(&latencies, 99.0)),
         "status_per_second": round(latencies.len() as f64 / window),
         "status_errors": stats.status_errors.load(Ordering::SeqCst),
+        "status_error_kinds": stats.status_error_kinds.lock().map_err(|_| anyhow!("poisoned"))?.clone(),
         "controller_cpu_percent": round(cpu),
     });
 
@@ -339,7 +343,12 @@ async fn report(client: &Controller, stats: &Stats, generation: u64) -> anyhow::
         }
         Err(e) => {
             stats.status_errors.fetch_add(1, Ordering::Relaxed);
-            Err(anyhow!("{e}"))
+            let message = e.to_string();
+            let kind: String = message.lines().next().unwrap_or_default().chars().take(120).collect();
+            if let Ok(mut kinds) = stats.status_error_kinds.lock() {
+                *kinds.entry(kind).or_default() += 1;
+            }
+            Err(anyhow!(message))
         }
     }
 }
