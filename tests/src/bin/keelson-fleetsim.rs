@@ -62,7 +62,7 @@ struct Stats {
     status_ms: Mutex<Vec<f64>>,
     recording: AtomicBool,
     status_errors: AtomicU64,
-    /// How many status reports failed, by error (its first line, cut short): a count alone
+    /// How many status reports failed, by error (its first line): a count alone
     /// does not say whether the controller refused, conflicted or timed out.
     status_error_kinds: Mutex<BTreeMap<String, u64>>,
     /// Template marker → when each machine received it.
@@ -344,7 +344,8 @@ async fn report(client: &Controller, stats: &Stats, generation: u64) -> anyhow::
         Err(e) => {
             stats.status_errors.fetch_add(1, Ordering::Relaxed);
             let message = e.to_string();
-            let kind: String = message.lines().next().unwrap_or_default().chars().take(120).collect();
+            // The whole chain: its cause (a reset, a timeout) comes after the URL.
+            let kind: String = message.lines().next().unwrap_or_default().chars().take(400).collect();
             if let Ok(mut kinds) = stats.status_error_kinds.lock() {
                 *kinds.entry(kind).or_default() += 1;
             }
