@@ -46,6 +46,11 @@ enum Command {
         /// etcd store: the prefix every key of this controller lives under.
         #[arg(long, default_value = keelson_controller::store::etcd::DEFAULT_PREFIX)]
         etcd_prefix: String,
+        /// etcd store: every this many seconds, compact etcd's history up to the revision that
+        /// was newest one interval before (as kube-apiserver does); 0 leaves it to etcd's own
+        /// --auto-compaction-retention. Without either, etcd grows until its space quota.
+        #[arg(long, default_value_t = 300)]
+        etcd_compaction_interval_seconds: u64,
         /// Seconds without a heartbeat before a machine is Reachable=False (3 heartbeat intervals).
         #[arg(long, default_value_t = 30)]
         unreachable_after_seconds: u64,
@@ -89,6 +94,7 @@ fn main() -> std::process::ExitCode {
             etcd_cert_file,
             etcd_key_file,
             etcd_prefix,
+            etcd_compaction_interval_seconds,
             unreachable_after_seconds,
             reconcile_interval_seconds,
             long_poll_seconds,
@@ -112,7 +118,11 @@ fn main() -> std::process::ExitCode {
                     return std::process::ExitCode::from(2);
                 }
                 other if other.starts_with("etcd://") => match EtcdOptions::parse(other, tls, &etcd_prefix) {
-                    Ok(o) => StoreChoice::Etcd(o),
+                    Ok(o) => StoreChoice::Etcd(EtcdOptions {
+                        compact_every: (etcd_compaction_interval_seconds > 0)
+                            .then(|| Duration::from_secs(etcd_compaction_interval_seconds)),
+                        ..o
+                    }),
                     Err(e) => {
                         eprintln!("keelson-controller: {e}");
                         return std::process::ExitCode::from(2);

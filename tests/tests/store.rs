@@ -249,6 +249,51 @@ async fn replicas_on_one_etcd_lose_no_update_and_see_each_others_writes() -> R {
     Ok(())
 }
 
+/// Whether etcd still holds `key` as it was at `revision`.
+async fn history_holds(client: &etcd_client::Client, key: &str, revision: i64) -> anyhow::Result<bool> {
+    match client.kv_client().get(key, Some(etcd_client::GetOptions::new().with_revision(revision))).await {
+        Ok(r) => Ok(r.kvs().first().is_some_and(|kv| kv.mod_revision() == revision)),
+        Err(e) if e.to_string().contains("required revision has been compacted") => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_etcd_store_compacts_the_history_it_no_longer_needs_unless_told_not_to() -> R {
+    let dir = tempfile::tempdir()?;
+    let members = etcd::start_cluster(dir.path(), etcd::STORE_VERSION, 1);
+    etcd::wait_serving(&members).await?;
+    let open = |prefix: &str, compact_every: Option<Duration>| {
+        let options = EtcdOptions::parse(&etcd::store_url(&members), None, prefix).map(|o| EtcdOptions { compact_every, ..o });
+        async move { anyhow::Ok(EtcdStore::open(&options.map_err(|e| anyhow!(e))?).await?) }
+    };
+    // First a store that leaves history alone: an old revision stays readable.
+    let keeping = open("/keeping", None).await?;
+    let kept = keeping.put("/h", b"1".to_vec(), Precondition::None).await?;
+    keeping.put("/h", b"2".to_vec(), Precondition::None).await?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let client = keeping.client();
+    let kept = i64::try_from(kept)?;
+    assert!(history_holds(&client, "/keeping/h", kept).await?, "revision {kept} is gone without compaction");
+
+    // Then one that compacts every second: within a few intervals the old revision is gone,
+    // and the store still reads, writes and watches.
+    let compacting = open("/compacting", Some(Duration::from_secs(1))).await?;
+    let old = compacting.put("/h", b"1".to_vec(), Precondition::None).await?;
+    let newer = compacting.put("/h", b"2".to_vec(), Precondition::None).await?;
+    let old = i64::try_from(old)?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    while history_holds(&client, "/compacting/h", old).await? {
+        assert!(tokio::time::Instant::now() < deadline, "revision {old} still held after 15 s of compaction every second");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(compacting.get("/h").await?.map(|e| e.mod_revision), Some(newer));
+    let mut watch = compacting.watch("/", compacting.revision()).await?;
+    let latest = compacting.put("/h", b"3".to_vec(), Precondition::Revision(newer)).await?;
+    assert_eq!(next_change(&mut watch).await?.entry.mod_revision, latest);
+    Ok(())
+}
+
 #[tokio::test]
 async fn bad_etcd_store_urls_are_refused_with_the_flag_named() {
     for (url, prefix, says) in [

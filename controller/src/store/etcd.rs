@@ -44,6 +44,10 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// takes about a second with etcd's defaults).
 const REQUEST_RETRY_FOR: Duration = Duration::from_secs(15);
 const RETRY_DELAY: Duration = Duration::from_millis(200);
+/// How often history is compacted unless the operator says otherwise (kube-apiserver's
+/// interval): a 10,000-machine fleet writes about 1 MiB a second of heartbeats, which
+/// etcd keeps as history until compacted, up to its 2 GiB quota.
+pub const DEFAULT_COMPACT_EVERY: Duration = Duration::from_secs(300);
 
 /// Client certificate files for an etcd that requires them.
 #[derive(Debug, Clone)]
@@ -59,6 +63,8 @@ pub struct EtcdOptions {
     pub endpoints: Vec<String>,
     pub tls: Option<EtcdTlsFiles>,
     pub prefix: String,
+    /// How often to compact etcd's history (`None`: never; etcd's own retention does).
+    pub compact_every: Option<Duration>,
 }
 
 impl EtcdOptions {
@@ -77,7 +83,7 @@ impl EtcdOptions {
         if !prefix.starts_with('/') || prefix.ends_with('/') || prefix.len() < 2 {
             return Err(format!("--etcd-prefix {prefix:?}: must start with / and not end with one (as /keelson)"));
         }
-        Ok(EtcdOptions { endpoints, tls, prefix: prefix.to_owned() })
+        Ok(EtcdOptions { endpoints, tls, prefix: prefix.to_owned(), compact_every: Some(DEFAULT_COMPACT_EVERY) })
     }
 }
 
@@ -135,6 +141,9 @@ impl EtcdStore {
         let stop = CancellationToken::new();
         let follower = Follower { client: client.clone(), prefix: prefix.clone(), mirror: mirror.clone() };
         tokio::spawn(follower.run(progress_requests, stop.clone()));
+        if let Some(every) = options.compact_every {
+            tokio::spawn(compact_history(client.clone(), format!("{prefix}/"), every, stop.clone()));
+        }
         Ok(EtcdStore { client, prefix, mirror, progress, stop })
     }
 
@@ -155,8 +164,9 @@ impl EtcdStore {
         Ok(format!("{}{key}", self.prefix))
     }
 
-    /// Sends `txn`, again on a transport failure or a member without a leader, for up to
-    /// `REQUEST_RETRY_FOR`; says whether it was sent more than once.
+    /// Sends `txn`, again on a transport failure, a member without a leader or an overloaded
+    /// one (`retryable`), for up to `REQUEST_RETRY_FOR`; says whether it was sent more than
+    /// once.
     async fn send(&self, txn: Txn) -> Result<(etcd_client::TxnResponse, bool), StoreError> {
         let deadline = tokio::time::Instant::now() + REQUEST_RETRY_FOR;
         let mut retried = false;
@@ -204,17 +214,56 @@ fn applied(ops: &[Op], found: &[Option<KeyValue>]) -> Option<u64> {
 }
 
 /// Whether a request may be sent again: it did not reach a member that could answer (a
-/// member gone, no leader, a timeout). Whether the first try was applied is then unknown.
+/// member gone, no leader, a timeout), or the member turned it away because it is behind
+/// applying what it committed ("too many requests", before proposing anything). Whether a
+/// first try was applied is then unknown to the caller, which checks.
 fn retryable(e: &etcd_client::Error) -> bool {
     use tonic::Code;
     match e {
         etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => true,
         etcd_client::Error::GRpcStatus(status) => match status.code() {
             Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled => true,
+            // etcd 3.4 sends its overload refusal as Unknown, later releases as
+            // ResourceExhausted.
+            Code::Unknown | Code::ResourceExhausted if status.message().contains("too many requests") => true,
             Code::Unknown => status.message().contains("transport error"),
             _ => false,
         },
         _ => false,
+    }
+}
+
+/// Every `every`, compacts etcd's history up to the revision that was the newest one `every`
+/// before, so the history kept spans one to two intervals. Compaction is cluster-wide and
+/// idempotent: every replica runs this, and one that finds the revision already compacted
+/// (by another replica, etcd's own retention or kube-apiserver) has nothing to do. A watch
+/// cut off longer than that lists again (`Follower`).
+async fn compact_history(client: Client, probe: String, every: Duration, stop: CancellationToken) {
+    let mut ticks = tokio::time::interval(every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut newest_before: Option<i64> = None;
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = ticks.tick() => {}
+        }
+        let newest = match client.kv_client().get(probe.as_str(), Some(GetOptions::new().with_count_only())).await {
+            Ok(r) => r.header().map(|h| h.revision()),
+            Err(e) => {
+                tracing::warn!(error = %e, "etcd history: could not read the newest revision; compacting later");
+                continue;
+            }
+        };
+        if let Some(revision) = newest_before.filter(|r| *r > 0) {
+            match client.kv_client().compact(revision, None).await {
+                Ok(_) => tracing::info!(revision, "etcd history compacted"),
+                Err(e) if e.to_string().contains("required revision has been compacted") => {
+                    tracing::debug!(revision, "etcd history already compacted past this revision");
+                }
+                Err(e) => tracing::warn!(revision, error = %e, "etcd history: compaction failed"),
+            }
+        }
+        newest_before = newest;
     }
 }
 
@@ -450,5 +499,27 @@ impl Follower {
         changes.sort_by_key(|c| c.entry.mod_revision);
         self.mirror.publish(changes, revision);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tonic::{Code, Status};
+
+    use super::retryable;
+
+    fn status(code: Code, message: &str) -> etcd_client::Error {
+        etcd_client::Error::GRpcStatus(Status::new(code, message))
+    }
+
+    #[test]
+    fn an_overloaded_member_is_asked_again_and_a_refusal_is_not() {
+        assert!(retryable(&status(Code::Unknown, "etcdserver: too many requests")));
+        assert!(retryable(&status(Code::ResourceExhausted, "etcdserver: too many requests")));
+        assert!(retryable(&status(Code::Unavailable, "etcdserver: no leader")));
+        // Answers that sending again cannot change.
+        assert!(!retryable(&status(Code::InvalidArgument, "etcdserver: duplicate key given in txn request")));
+        assert!(!retryable(&status(Code::ResourceExhausted, "etcdserver: mvcc: database space exceeded")));
+        assert!(!retryable(&status(Code::Unknown, "etcdserver: request is too large")));
     }
 }
