@@ -5,6 +5,7 @@
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
 
 /// The etcd binary of `version` fetched by `tests/fetch-etcd`.
 pub fn etcd_binary(version: &str) -> PathBuf {
@@ -13,9 +14,26 @@ pub fn etcd_binary(version: &str) -> PathBuf {
     path
 }
 
+/// Where member ports are taken from: below the kernel's ephemeral range (32768 and up by
+/// default). A port found by binding port 0 and then let go comes from that range, and until
+/// etcd binds it, any outgoing connection may take it as its local port, or the next bind of
+/// port 0 may hand it out again; a member started late (a learner joining) then cannot listen.
+const MEMBER_PORTS: std::ops::Range<u16> = 20_000..32_000;
+
+/// A port no member of this process has had and nothing listens on now.
 fn free_port() -> u16 {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap_or_else(|e| panic!("binding a free port: {e}"));
-    l.local_addr().map(|a| a.port()).unwrap_or_else(|e| panic!("local_addr: {e}"))
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let span = u32::from(MEMBER_PORTS.end - MEMBER_PORTS.start);
+    // Test processes side by side start at different places.
+    let start = std::process::id().wrapping_mul(7_919) % span;
+    for _ in 0..span {
+        let offset = (start + NEXT.fetch_add(1, Ordering::Relaxed)) % span;
+        let port = MEMBER_PORTS.start + u16::try_from(offset).unwrap_or_default();
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in {MEMBER_PORTS:?} on 127.0.0.1")
 }
 
 #[derive(Debug)]
@@ -61,8 +79,7 @@ impl EtcdMember {
     /// Starts etcd with `state` `new` or `existing` and `initial_cluster`; an existing data
     /// directory makes etcd ignore both, as on a restart.
     pub fn start(&mut self, state: &str, initial_cluster: &str) {
-        let log = std::fs::File::create(self.data_dir.with_extension(format!("{}.log", self.version)))
-            .unwrap_or_else(|e| panic!("etcd log: {e}"));
+        let log = std::fs::File::create(self.log_path()).unwrap_or_else(|e| panic!("etcd log: {e}"));
         let mut command = Command::new(etcd_binary(&self.version));
         if let Some([ca, cert, key]) = &self.tls {
             command.arg("--client-cert-auth").arg("--trusted-ca-file").arg(ca).arg("--cert-file").arg(cert).arg("--key-file").arg(key);
@@ -88,6 +105,17 @@ impl EtcdMember {
             .spawn()
             .unwrap_or_else(|e| panic!("starting etcd {}: {e}", self.version));
         self.child = Some(child);
+    }
+
+    /// The end of this member's log (its stderr), for a failure message.
+    pub fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(self.log_path()).unwrap_or_else(|e| format!("(no log: {e})"));
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(15)..].join("\n")
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.data_dir.with_extension(format!("{}.log", self.version))
     }
 
     pub fn kill(&mut self) {

@@ -40,7 +40,9 @@ async fn form_cluster(root: &std::path::Path, version: &str, names: &[&str]) -> 
         let (again, _) = membership::add_learner(&client, &member.name, &member.peer_url, START_TIMEOUT).await?;
         assert_eq!(again.id, learner.id);
         member.start("existing", &initial_cluster);
-        membership::promote_when_caught_up(&client, learner.id, START_TIMEOUT).await?;
+        membership::promote_when_caught_up(&client, learner.id, START_TIMEOUT)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}\n{}'s log ends:\n{}", member.name, member.log_tail()))?;
         wait_healthy(&client, member).await;
     }
     let client = client.with_endpoints(members.iter().map(|m| m.client_url.clone()).collect());
