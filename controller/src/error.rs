@@ -79,7 +79,7 @@ impl From<StoreError> for ApiError {
             StoreError::Conflict { .. } => ApiError::Conflict(e.to_string()),
             StoreError::Compacted { .. } => ApiError::Gone(format!("{e}; list again and watch from the list's resourceVersion")),
             StoreError::Backend(_) => ApiError::Internal(e.to_string()),
-            StoreError::Closed => ApiError::Unavailable(e.to_string()),
+            StoreError::Closed | StoreError::Unavailable(_) => ApiError::Unavailable(e.to_string()),
         }
     }
 }

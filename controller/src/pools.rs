@@ -77,7 +77,7 @@ fn op_bytes(op: &Op) -> usize {
     op.key().len()
         + match op {
             Op::Put { value, .. } => value.len(),
-            Op::Delete { .. } => 0,
+            Op::Delete { .. } | Op::Check { .. } => 0,
         }
 }
 

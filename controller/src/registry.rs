@@ -3,6 +3,7 @@
 //!
 //! Key layout (JSON values):
 //! - `/machines/<name>`   Machine (without `resourceVersion`, which is the key's mod revision)
+//! - `/heartbeats/<name>` Heartbeat: when the machine last reported a status that changed nothing
 //! - `/pools/<name>`      MachinePool
 //! - `/tokens/<id>`       StoredToken: the BootstrapToken and the SHA-256 of its secret
 //! - `/identities/<name>` Identity: the certificate serials that may act as the machine
@@ -29,6 +30,7 @@ use crate::pki::{self, Authority};
 use crate::store::{Op, Precondition, Store, StoreError};
 
 pub const MACHINES: &str = "/machines/";
+pub const HEARTBEATS: &str = "/heartbeats/";
 pub const POOLS: &str = "/pools/";
 pub const TOKENS: &str = "/tokens/";
 pub const IDENTITIES: &str = "/identities/";
@@ -67,6 +69,18 @@ pub struct Identity {
     pub serials: Vec<String>,
     #[serde(with = "time::serde::rfc3339")]
     pub enrolled_at: Timestamp,
+}
+
+/// The time of a machine's latest status report, when that report changed nothing else. It is
+/// kept apart from the machine, the way Kubernetes keeps node heartbeats in Lease objects: an
+/// idle fleet's heartbeats then write a few bytes each instead of whole machines, and wake no
+/// watch of machines (rollouts, long-polls, operators). A machine's `lastHeartbeatTime`, as
+/// served, is the later of its own and this.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Heartbeat {
+    #[serde(with = "time::serde::rfc3339")]
+    pub time: Timestamp,
 }
 
 /// How a machine is deleted.
@@ -166,6 +180,41 @@ fn progress(m: &Machine) -> (u64, Vec<(String, ConditionStatus)>) {
     (m.status.observed_generation, m.status.conditions.iter().map(|c| (c.type_.clone(), c.status)).collect())
 }
 
+/// Applies an agent's report to its machine, all but the heartbeat's time.
+fn apply_report(m: &mut Machine, report: &AgentStatus, now: Timestamp) -> Result<(), ApiError> {
+    if report.observed_generation > m.metadata.generation {
+        return Err(ApiError::invalid(
+            "observedGeneration",
+            format!("{} is newer than the machine's generation {}", report.observed_generation, m.metadata.generation),
+        ));
+    }
+    let reachable = meta::find_condition(&m.status.conditions, condition::REACHABLE).cloned();
+    // A machine being deleted stays Deleting whatever its agent last was doing.
+    m.status.phase = if m.metadata.deletion_timestamp.is_some() { Some(Phase::Deleting) } else { report.phase };
+    m.status.observed_generation = report.observed_generation;
+    m.status.conditions = report.conditions.iter().filter(|c| c.type_ != condition::REACHABLE).cloned().collect();
+    if let Some(r) = reachable {
+        m.status.conditions.push(r);
+    }
+    set_condition(&mut m.status.conditions, condition::REACHABLE, ConditionStatus::True, "Heartbeat", "", now);
+    m.status.versions = report.versions.clone();
+    if report.facts.is_some() {
+        m.status.facts = report.facts.clone();
+    }
+    m.status.current_step = report.current_step.clone();
+    if report.etcd.is_some() {
+        m.status.etcd = report.etcd.clone();
+    }
+    Ok(())
+}
+
+/// Takes a heartbeat into a machine's `lastHeartbeatTime` when it is the later.
+fn heard_at(m: &mut Machine, time: Timestamp) {
+    if m.status.last_heartbeat_time.is_none_or(|t| t < time) {
+        m.status.last_heartbeat_time = Some(time);
+    }
+}
+
 /// The pool a machine with these labels belongs to: of the pools whose selector matches,
 /// the oldest (then the first by name), so that adding a pool never steals machines.
 pub fn owning_pool<'a>(pools: &'a [Versioned<MachinePool>], labels: &BTreeMap<String, String>) -> Option<&'a MachinePool> {
@@ -230,6 +279,38 @@ impl Registry {
 
     pub async fn machine(&self, name: &str) -> Result<Versioned<Machine>, ApiError> {
         self.get(&format!("{MACHINES}{name}")).await?.ok_or_else(|| not_found("machine", name))
+    }
+
+    /// A machine as served: its `lastHeartbeatTime` that of its latest report.
+    pub async fn machine_as_seen(&self, name: &str) -> Result<Versioned<Machine>, ApiError> {
+        let mut machine = self.machine(name).await?;
+        if let Some(beat) = self.get::<Heartbeat>(&format!("{HEARTBEATS}{name}")).await? {
+            heard_at(&mut machine.object, beat.object.time);
+        }
+        Ok(machine)
+    }
+
+    /// Every machine as served (`machine_as_seen`), and the revision of the listing.
+    pub async fn machines_as_seen(&self) -> Result<(Vec<Versioned<Machine>>, u64), ApiError> {
+        let (mut machines, revision) = self.list::<Machine>(MACHINES).await?;
+        let beats = self.heartbeats().await?;
+        for m in &mut machines {
+            if let Some(beat) = beats.get(m.object.metadata.name_str()) {
+                heard_at(&mut m.object, beat.object.time);
+            }
+        }
+        Ok((machines, revision))
+    }
+
+    /// Every machine's heartbeat, by machine name.
+    async fn heartbeats(&self) -> Result<std::collections::HashMap<String, Versioned<Heartbeat>>, ApiError> {
+        let listing = self.store.list(HEARTBEATS).await?;
+        listing
+            .entries
+            .iter()
+            .filter_map(|e| Some((e.key.strip_prefix(HEARTBEATS)?, e)))
+            .map(|(name, e)| Ok((name.to_owned(), Versioned { object: decode(&e.key, &e.value)?, revision: e.mod_revision })))
+            .collect()
     }
 
     /// Read-modify-write of one machine, retried when it changed underneath. `change` returns
@@ -436,6 +517,7 @@ impl Registry {
             .txn(vec![
                 Op::Delete { key, precondition: Precondition::Exists },
                 Op::Delete { key: format!("{IDENTITIES}{name}"), precondition: Precondition::None },
+                Op::Delete { key: format!("{HEARTBEATS}{name}"), precondition: Precondition::None },
             ])
             .await
         {
@@ -449,52 +531,50 @@ impl Registry {
         }
     }
 
-    /// Stores what a machine's agent reported. The generation never changes here.
-    pub async fn record_status(&self, name: &Name, report: AgentStatus) -> Result<Versioned<Machine>, ApiError> {
+    /// Stores what a machine's agent reported. The generation never changes here. A report
+    /// that changes nothing but the time (an idle agent's heartbeat) writes only the machine's
+    /// `Heartbeat`.
+    pub async fn record_status(&self, name: &Name, report: AgentStatus) -> Result<(), ApiError> {
         let now = meta::now();
-        let mut progressed = false;
-        let result = self
-            .update_machine(name.as_str(), |m| {
-                if report.observed_generation > m.metadata.generation {
-                    return Err(ApiError::invalid(
-                        "observedGeneration",
-                        format!("{} is newer than the machine's generation {}", report.observed_generation, m.metadata.generation),
-                    ));
+        let key = format!("{MACHINES}{name}");
+        for _ in 0..CAS_ATTEMPTS {
+            let current = self.machine(name.as_str()).await?;
+            let mut machine = current.object.clone();
+            apply_report(&mut machine, &report, now)?;
+            let ops = if machine == current.object {
+                vec![
+                    // Not if the machine changed since it was read (marked unreachable, say):
+                    // then this report may change it back.
+                    Op::Check { key: key.clone(), precondition: Precondition::Revision(current.revision) },
+                    Op::Put {
+                        key: format!("{HEARTBEATS}{name}"),
+                        value: encode(&Heartbeat { time: now }),
+                        precondition: Precondition::None,
+                    },
+                ]
+            } else {
+                machine.status.last_heartbeat_time = Some(now);
+                vec![Op::Put { key: key.clone(), value: encode(&machine), precondition: Precondition::Revision(current.revision) }]
+            };
+            match self.store.txn(ops).await {
+                Ok(_) => {
+                    if machine.status.pool.is_some() && progress(&machine) != progress(&current.object) {
+                        self.rollout_wake.notify_one();
+                    }
+                    return Ok(());
                 }
-                let reachable = meta::find_condition(&m.status.conditions, condition::REACHABLE).cloned();
-                let before = progress(m);
-                // A machine being deleted stays Deleting whatever its agent last was doing.
-                m.status.phase = if m.metadata.deletion_timestamp.is_some() { Some(Phase::Deleting) } else { report.phase };
-                m.status.observed_generation = report.observed_generation;
-                m.status.conditions = report.conditions.iter().filter(|c| c.type_ != condition::REACHABLE).cloned().collect();
-                if let Some(r) = reachable {
-                    m.status.conditions.push(r);
-                }
-                set_condition(&mut m.status.conditions, condition::REACHABLE, ConditionStatus::True, "Heartbeat", "", now);
-                m.status.versions = report.versions.clone();
-                if report.facts.is_some() {
-                    m.status.facts = report.facts.clone();
-                }
-                m.status.current_step = report.current_step.clone();
-                if report.etcd.is_some() {
-                    m.status.etcd = report.etcd.clone();
-                }
-                m.status.last_heartbeat_time = Some(now);
-                progressed = m.status.pool.is_some() && progress(m) != before;
-                Ok(true)
-            })
-            .await;
-        if progressed {
-            self.rollout_wake.notify_one();
+                Err(StoreError::Conflict { .. }) => continue,
+                Err(e) => return Err(e.into()),
+            }
         }
-        result
+        Err(ApiError::Conflict(format!("machine {name} is changing too often to update; try again")))
     }
 
     /// Marks machines that stopped reporting as unreachable. Returns how many changed.
     pub async fn mark_unreachable(&self, timeout: std::time::Duration) -> Result<usize, ApiError> {
         let now = meta::now();
         let silent_since = now - timeout;
-        let (machines, _) = self.list::<Machine>(MACHINES).await?;
+        let (machines, _) = self.machines_as_seen().await?;
         let mut changed = 0;
         for m in machines {
             let Some(last) = m.object.status.last_heartbeat_time else { continue };
@@ -504,34 +584,61 @@ impl Registry {
             }
             let name = m.object.metadata.name_str().to_owned();
             let message = format!("no heartbeat since {}", last.format(&time::format_description::well_known::Rfc3339).unwrap_or_default());
-            let result = self
-                .update_machine(&name, |machine| {
-                    // Re-check: a heartbeat may have arrived since the listing.
-                    if machine.status.last_heartbeat_time.is_some_and(|t| t >= silent_since) {
-                        return Ok(false);
-                    }
-                    machine.status.phase = Some(Phase::Unreachable);
-                    Ok(set_condition(
-                        &mut machine.status.conditions,
-                        condition::REACHABLE,
-                        ConditionStatus::False,
-                        "HeartbeatTimeout",
-                        &message,
-                        now,
-                    ))
-                })
-                .await;
-            match result {
-                Ok(_) => {
+            match self.mark_silent(&name, silent_since, &message, now).await {
+                Ok(true) => {
                     changed += 1;
                     self.rollout_wake.notify_one();
                     self.record_event(&name, "Warning", "Unreachable", &message, "controller").await?;
                 }
-                Err(ApiError::NotFound(_)) => {}
+                Ok(false) | Err(ApiError::NotFound(_)) => {}
                 Err(e) => return Err(e),
             }
         }
         Ok(changed)
+    }
+
+    /// Marks one machine unreachable unless it reported after `silent_since`, as of one
+    /// reading of both its record and its heartbeat. Returns whether it did.
+    async fn mark_silent(&self, name: &str, silent_since: Timestamp, message: &str, now: Timestamp) -> Result<bool, ApiError> {
+        let key = format!("{MACHINES}{name}");
+        let beat_key = format!("{HEARTBEATS}{name}");
+        for _ in 0..CAS_ATTEMPTS {
+            let current = self.machine(name).await?;
+            let beat: Option<Versioned<Heartbeat>> = self.get(&beat_key).await?;
+            let mut machine = current.object.clone();
+            if let Some(b) = &beat {
+                heard_at(&mut machine, b.object.time);
+            }
+            if machine.status.last_heartbeat_time.is_none_or(|t| t >= silent_since) {
+                return Ok(false);
+            }
+            let mut machine = current.object;
+            machine.status.phase = Some(Phase::Unreachable);
+            if !set_condition(
+                &mut machine.status.conditions,
+                condition::REACHABLE,
+                ConditionStatus::False,
+                "HeartbeatTimeout",
+                message,
+                now,
+            ) {
+                return Ok(false);
+            }
+            let ops = vec![
+                Op::Put { key: key.clone(), value: encode(&machine), precondition: Precondition::Revision(current.revision) },
+                // A heartbeat in between wins.
+                Op::Check {
+                    key: beat_key.clone(),
+                    precondition: beat.map_or(Precondition::Absent, |b| Precondition::Revision(b.revision)),
+                },
+            ];
+            match self.store.txn(ops).await {
+                Ok(_) => return Ok(true),
+                Err(StoreError::Conflict { .. }) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(ApiError::Conflict(format!("machine {name} is changing too often to update; try again")))
     }
 
     pub async fn record_event(&self, name: &str, type_: &str, reason: &str, message: &str, source: &str) -> Result<(), ApiError> {

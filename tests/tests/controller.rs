@@ -478,6 +478,18 @@ keelson_tests::on_both_stores! {
         let reachable = |body: &serde_json::Value| {
             body["status"]["conditions"].as_array().and_then(|cs| cs.iter().find(|c| c["type"] == "Reachable").map(|c| c["status"].clone()))
         };
+        // Heartbeats that change nothing else keep it reachable, for three times the timeout.
+        let report = status_report(1);
+        let heartbeats_until = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < heartbeats_until {
+            assert_eq!(m1.put("/v1/agent/status", &report).await?.status, 204);
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        let m = admin.get("/v1/machines/m1").await?;
+        assert_eq!(reachable(&m.body), Some(json!("True")), "{}", m.text);
+        let events = admin.get("/v1/machines/m1/events").await?;
+        assert!(!events.text.contains("Unreachable"), "{}", events.text);
+        // Then silence.
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             let m = admin.get("/v1/machines/m1").await?;
@@ -493,6 +505,57 @@ keelson_tests::on_both_stores! {
         assert_eq!(reachable(&m.body), Some(json!("True")));
         let events = admin.get("/v1/machines/m1/events").await?;
         assert!(events.text.contains("Unreachable"), "{}", events.text);
+        Ok(())
+    }
+}
+
+keelson_tests::on_both_stores! {
+    #[tokio::test]
+    async fn an_idle_heartbeat_moves_the_heartbeat_time_and_leaves_the_machine_as_it_was(store) -> R {
+        let dir = tmp();
+        let c = store.start(dir.path(), &[])?;
+        let admin = c.admin()?;
+        let token = c.token(&[])?;
+        let m1 = c.enroll("m1", &token, tmp().path())?;
+        let report = status_report(1);
+        assert_eq!(m1.put("/v1/agent/status", &report).await?.status, 204);
+        let heartbeat = |body: &serde_json::Value| -> anyhow::Result<time::OffsetDateTime> {
+            let text = body["status"]["lastHeartbeatTime"].as_str().ok_or_else(|| anyhow::anyhow!("no lastHeartbeatTime: {body}"))?;
+            Ok(time::OffsetDateTime::parse(text, &time::format_description::well_known::Rfc3339)?)
+        };
+        let before = admin.get("/v1/machines/m1").await?;
+        let rv = revision(&admin).await?;
+        let watch = admin.http.get(format!("{}/v1/machines?watch=true&resourceVersion={rv}", admin.base)).send().await?;
+        assert_eq!(watch.status().as_u16(), 200);
+
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(m1.put("/v1/agent/status", &report).await?.status, 204, "the same report again: a heartbeat");
+        let after = admin.get("/v1/machines/m1").await?;
+        assert_eq!(after.body["metadata"]["resourceVersion"], before.body["metadata"]["resourceVersion"], "{}", after.text);
+        assert!(heartbeat(&after.body)? > heartbeat(&before.body)?, "before: {}\nafter: {}", before.text, after.text);
+        let listed = admin.get("/v1/machines").await?;
+        assert_eq!(listed.body["items"][0]["status"]["lastHeartbeatTime"], after.body["status"]["lastHeartbeatTime"], "{}", listed.text);
+
+        // A report that changes something writes the machine; the watch's first event is that
+        // change, not the heartbeat before it.
+        let mut converging = report.clone();
+        converging["phase"] = json!("Converging");
+        assert_eq!(m1.put("/v1/agent/status", &converging).await?.status, 204);
+        let changed = admin.get("/v1/machines/m1").await?;
+        assert_ne!(changed.body["metadata"]["resourceVersion"], after.body["metadata"]["resourceVersion"]);
+        assert_eq!(changed.body["status"]["phase"], "Converging");
+        assert!(heartbeat(&changed.body)? > heartbeat(&after.body)?, "{}", changed.text);
+        let mut stream = watch.bytes_stream();
+        let mut buffer = Vec::new();
+        use futures_util::StreamExt;
+        let first = loop {
+            let chunk = tokio::time::timeout(Duration::from_secs(5), stream.next()).await?.ok_or_else(|| anyhow::anyhow!("watch ended"))??;
+            buffer.extend_from_slice(&chunk);
+            if let Some(i) = buffer.iter().position(|b| *b == b'\n') {
+                break serde_json::from_slice::<serde_json::Value>(&buffer[..i])?;
+            }
+        };
+        assert_eq!(first["object"]["status"]["phase"], "Converging", "{first}");
         Ok(())
     }
 }

@@ -62,14 +62,14 @@ pub async fn list_machines(State(app): State<Arc<App>>, peer: PeerExt, Query(q):
     if q.watch {
         return watch(app, MACHINES, q.resource_version.as_deref(), stamped_value::<Machine>).await;
     }
-    let (items, revision) = app.registry.list::<Machine>(MACHINES).await?;
+    let (items, revision) = app.registry.machines_as_seen().await?;
     Ok(Json(List { items: items.into_iter().map(Versioned::stamped).collect(), resource_version: revision.to_string() }).into_response())
 }
 
 pub async fn get_machine(State(app): State<Arc<App>>, peer: PeerExt, Path(name): Path<String>) -> ApiResult<Json<Machine>> {
     require_admin(&peer)?;
     let name = path_name(&name)?;
-    Ok(Json(app.registry.machine(name.as_str()).await?.stamped()))
+    Ok(Json(app.registry.machine_as_seen(name.as_str()).await?.stamped()))
 }
 
 pub async fn create_machine(State(app): State<Arc<App>>, peer: PeerExt, JsonBody(m): JsonBody<Machine>) -> ApiResult<Response> {

@@ -45,8 +45,8 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 const REQUEST_RETRY_FOR: Duration = Duration::from_secs(15);
 const RETRY_DELAY: Duration = Duration::from_millis(200);
 /// How often history is compacted unless the operator says otherwise (kube-apiserver's
-/// interval): a 10,000-machine fleet writes about 1 MiB a second of heartbeats, which
-/// etcd keeps as history until compacted, up to its 2 GiB quota.
+/// interval): etcd keeps every write as history until compacted, up to its 2 GiB quota, and a
+/// 10,000-machine fleet writes 1,000 heartbeats a second.
 pub const DEFAULT_COMPACT_EVERY: Duration = Duration::from_secs(300);
 
 /// Client certificate files for an etcd that requires them.
@@ -178,7 +178,7 @@ impl EtcdStore {
                     retried = true;
                     tokio::time::sleep(RETRY_DELAY).await;
                 }
-                Err(e) => return Err(backend(e)),
+                Err(e) => return Err(refused(e)),
             }
         }
     }
@@ -207,6 +207,8 @@ fn applied(ops: &[Op], found: &[Option<KeyValue>]) -> Option<u64> {
                 at = at.max(Some(revision_of(kv.mod_revision())));
             }
             (Op::Delete { .. }, None) => {}
+            // What a check compared may have changed since the try that was applied.
+            (Op::Check { .. }, _) => {}
             _ => return None,
         }
     }
@@ -230,6 +232,20 @@ fn retryable(e: &etcd_client::Error) -> bool {
             _ => false,
         },
         _ => false,
+    }
+}
+
+/// What a failed request means for its caller: a request that could not get through in
+/// time, or a cluster out of space, is worth trying later (503); anything else is a fault.
+fn refused(e: etcd_client::Error) -> StoreError {
+    if retryable(&e) {
+        return StoreError::Unavailable(format!("etcd: {e}"));
+    }
+    match &e {
+        etcd_client::Error::GRpcStatus(status) if status.message().contains("database space exceeded") => StoreError::Unavailable(format!(
+            "etcd is out of space (alarm NOSPACE) and takes no writes until its history is compacted, its members defragmented and the alarm disarmed: {e}"
+        )),
+        _ => backend(e),
     }
 }
 
@@ -323,10 +339,11 @@ impl Store for EtcdStore {
             let etcd_key = self.etcd_key(op.key())?;
             compares.extend(compare(&etcd_key, op.precondition()));
             reads.push(TxnOp::get(etcd_key.clone(), None));
-            writes.push(match op {
-                Op::Put { value, .. } => TxnOp::put(etcd_key, value.clone(), None),
-                Op::Delete { .. } => TxnOp::delete(etcd_key, None),
-            });
+            match op {
+                Op::Put { value, .. } => writes.push(TxnOp::put(etcd_key, value.clone(), None)),
+                Op::Delete { .. } => writes.push(TxnOp::delete(etcd_key, None)),
+                Op::Check { .. } => {}
+            }
         }
         let txn = Txn::new().when(compares).and_then(writes).or_else(reads);
         let (response, retried) = self.send(txn).await?;
@@ -506,7 +523,7 @@ impl Follower {
 mod tests {
     use tonic::{Code, Status};
 
-    use super::retryable;
+    use super::{StoreError, refused, retryable};
 
     fn status(code: Code, message: &str) -> etcd_client::Error {
         etcd_client::Error::GRpcStatus(Status::new(code, message))
@@ -521,5 +538,14 @@ mod tests {
         assert!(!retryable(&status(Code::InvalidArgument, "etcdserver: duplicate key given in txn request")));
         assert!(!retryable(&status(Code::ResourceExhausted, "etcdserver: mvcc: database space exceeded")));
         assert!(!retryable(&status(Code::Unknown, "etcdserver: request is too large")));
+    }
+
+    #[test]
+    fn a_full_or_unreachable_cluster_is_unavailable_and_a_bad_request_is_a_fault() {
+        let unavailable = |e| matches!(refused(e), StoreError::Unavailable(_));
+        assert!(unavailable(status(Code::ResourceExhausted, "etcdserver: mvcc: database space exceeded")));
+        assert!(unavailable(status(Code::Unavailable, "etcdserver: no leader")));
+        assert!(unavailable(status(Code::Unknown, "etcdserver: too many requests")));
+        assert!(matches!(refused(status(Code::InvalidArgument, "etcdserver: duplicate key given in txn request")), StoreError::Backend(_)));
     }
 }

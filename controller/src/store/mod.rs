@@ -49,20 +49,33 @@ impl Precondition {
 
 #[derive(Debug, Clone)]
 pub enum Op {
-    Put { key: String, value: Vec<u8>, precondition: Precondition },
-    Delete { key: String, precondition: Precondition },
+    Put {
+        key: String,
+        value: Vec<u8>,
+        precondition: Precondition,
+    },
+    Delete {
+        key: String,
+        precondition: Precondition,
+    },
+    /// Writes nothing: the transaction goes ahead only if `precondition` holds for `key`
+    /// (a write that depends on a key it does not change).
+    Check {
+        key: String,
+        precondition: Precondition,
+    },
 }
 
 impl Op {
     pub fn key(&self) -> &str {
         match self {
-            Op::Put { key, .. } | Op::Delete { key, .. } => key,
+            Op::Put { key, .. } | Op::Delete { key, .. } | Op::Check { key, .. } => key,
         }
     }
 
     pub fn precondition(&self) -> Precondition {
         match self {
-            Op::Put { precondition, .. } | Op::Delete { precondition, .. } => *precondition,
+            Op::Put { precondition, .. } | Op::Delete { precondition, .. } | Op::Check { precondition, .. } => *precondition,
         }
     }
 }
@@ -83,6 +96,10 @@ pub enum StoreError {
     Compacted { requested: u64, oldest: u64 },
     #[error("storage failure: {0}")]
     Backend(String),
+    /// The store cannot take the request now: out of reach, or refusing writes (out of space);
+    /// the same request may succeed later.
+    #[error("the store is unavailable: {0}")]
+    Unavailable(String),
     #[error("the store is shut down")]
     Closed,
 }

@@ -198,6 +198,7 @@ impl Writer {
                                     changes.push(Change { deleted: true, entry: old });
                                 }
                             }
+                            Op::Check { .. } => {}
                         }
                     }
                     changes

@@ -201,6 +201,8 @@ async fn run(args: &Args) -> anyhow::Result<serde_json::Value> {
     });
 
     if !args.ceiling {
+        // What is measured so far, in case a later phase does not finish.
+        eprintln!("fleetsim: heartbeats: {summary}");
         // Fan-out: a change every machine may take at once.
         eprintln!("fleetsim: fan-out");
         let changed = Instant::now();
@@ -274,11 +276,12 @@ async fn wait_rolled_out(admin: &ApiClient, revision: u64, n: usize) -> anyhow::
 }
 
 /// One simulated machine: a long-poll for its spec and a heartbeat, side by side as in the
-/// agent (one HTTP/2 connection carries both).
+/// agent (one HTTP/2 connection carries both). As the agent's, its report changes only when
+/// the machine does: heartbeats repeat the last one.
 async fn machine(client: Controller, stats: Arc<Stats>, offset: Duration, beat: Duration, poll: bool) -> anyhow::Result<()> {
-    let generation = Arc::new(AtomicU64::new(0));
+    let last = Arc::new(Mutex::new(applied(0)?));
     if poll {
-        let (client, stats, generation) = (client.clone(), stats.clone(), generation.clone());
+        let (client, stats, last) = (client.clone(), stats.clone(), last.clone());
         tokio::spawn(async move {
             let mut after = 0;
             loop {
@@ -293,13 +296,16 @@ async fn machine(client: Controller, stats: Arc<Stats>, offset: Duration, beat: 
                 if let Ok(mut received) = stats.received.lock() {
                     received.entry(marker).or_default().push(Instant::now());
                 }
+                let Ok(status) = applied(answer.generation) else { continue };
                 if after != 0 {
                     // A change after the first spec: take a lease, "upgrade" at once, report, release.
-                    upgrade(&client, &stats, answer.generation).await;
+                    upgrade(&client, &stats, &status).await;
                 }
                 after = answer.generation;
-                generation.store(after, Ordering::SeqCst);
-                let _ = report(&client, &stats, after).await;
+                if let Ok(mut last) = last.lock() {
+                    *last = status.clone();
+                }
+                let _ = report(&client, &stats, &status).await;
             }
         });
     }
@@ -307,16 +313,17 @@ async fn machine(client: Controller, stats: Arc<Stats>, offset: Duration, beat: 
     let mut ticks = tokio::time::interval(beat);
     loop {
         ticks.tick().await;
-        let _ = report(&client, &stats, generation.load(Ordering::SeqCst)).await;
+        let status = last.lock().map_err(|_| anyhow!("poisoned"))?.clone();
+        let _ = report(&client, &stats, &status).await;
     }
 }
 
-async fn upgrade(client: &Controller, stats: &Stats, generation: u64) {
+async fn upgrade(client: &Controller, stats: &Stats, status: &AgentStatus) {
     loop {
         match client.acquire_lease("simulated upgrade", Duration::from_secs(60)).await {
             Ok(LeaseAnswer::Granted(lease)) => {
                 // Reported before the lease goes, as the agent does after its health check.
-                let _ = report(client, stats, generation).await;
+                let _ = report(client, stats, status).await;
                 let _ = client.release_lease(&lease.id).await;
                 return;
             }
@@ -329,10 +336,14 @@ async fn upgrade(client: &Controller, stats: &Stats, generation: u64) {
     }
 }
 
-async fn report(client: &Controller, stats: &Stats, generation: u64) -> anyhow::Result<()> {
-    let status: AgentStatus = serde_json::from_value(status_report(generation))?;
+/// The report of a machine that has just applied `generation`.
+fn applied(generation: u64) -> anyhow::Result<AgentStatus> {
+    Ok(serde_json::from_value(status_report(generation))?)
+}
+
+async fn report(client: &Controller, stats: &Stats, status: &AgentStatus) -> anyhow::Result<()> {
     let started = Instant::now();
-    match client.status(&status).await {
+    match client.status(status).await {
         Ok(()) => {
             if stats.recording.load(Ordering::Relaxed)
                 && let Ok(mut v) = stats.status_ms.lock()
