@@ -3,6 +3,7 @@
 //! each kind of identity (admin, machine, none, a foreign CA).
 
 pub mod etcd;
+pub mod kubeapi;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
