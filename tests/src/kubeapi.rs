@@ -47,8 +47,9 @@ pub struct Cluster {
     pub pods: BTreeMap<Key, Value>,
     pub pdbs: BTreeMap<Key, Value>,
     pub daemonsets: BTreeMap<Key, Value>,
-    /// What clients did, in order: `cordon NODE`, `uncordon NODE`, `evict NS/POD`,
-    /// `refuse NS/POD` (a 429), `delete NS/POD`, `gone NS/POD`.
+    /// What clients did and what followed, in order: `cordon NODE`, `uncordon NODE`,
+    /// `evict NS/POD`, `refuse NS/POD` (a 429), `delete NS/POD`, `gone NS/POD`, `ready NS/POD`
+    /// (a replacement pod turned Ready).
     pub log: Vec<String>,
     /// Requests for paths the double does not serve (a client needing more than it has).
     pub unserved: Vec<String>,
@@ -769,6 +770,7 @@ async fn replace_pod(app: &Arc<App>, gone: Value, ready_after: Duration) {
     tokio::time::sleep(ready_after).await;
     let mut cluster = app.cluster();
     if let Some(mut pod) = cluster.pods.get(&key).cloned() {
+        cluster.log.push(format!("ready {}/{}", key.0, key.1));
         pod["status"] = json!({"phase": "Running", "conditions": [ready_condition(true)]});
         cluster.stamp(&mut pod);
         cluster.pods.insert(key, pod.clone());
