@@ -4,9 +4,18 @@
 //! `maxUnavailable` allows. A lease has a TTL the holder renews, so a dead holder never
 //! blocks the pool for longer than that.
 //!
-//! All leases of one pool live in one key (`/leases/<pool>`, or `/leases/-<machine>` for a
-//! machine in no pool), so counting and granting is one compare-and-swap: two controllers
-//! (or two requests) can never both take the last slot.
+//! Each lease is its own key, `/leases/<scope>/<machine>`, where the scope is the pool (or
+//! `-<machine>` for a machine in no pool). Granting compares-and-swaps the scope's small
+//! budget key `/lease-budgets/<scope>` in the same transaction, so two controllers (or two
+//! requests) can never both take the last slot; renewing and releasing touch only the
+//! lease's own key. A grant deletes the scope's expired leases in its transaction, each
+//! compared at the revision it read, so a lease counted as expired cannot be renewed back to
+//! life behind the grant's back.
+//!
+//! Earlier versions kept a pool's leases together in one key, `/leases/<scope>`: it grew
+//! with every holder and was rewritten at every grant, renewal and release (at 1,000
+//! holders that filled etcd's space quota in minutes). Such a key is split into lease keys
+//! the first time its scope is used.
 
 use std::collections::HashSet;
 
@@ -16,10 +25,12 @@ use keelson_api::window::MaintenanceWindow;
 use serde::{Deserialize, Serialize};
 
 use crate::error::ApiError;
-use crate::registry::{CAS_ATTEMPTS, POOLS, Registry, Versioned, owning_pool};
+use crate::registry::{CAS_ATTEMPTS, POOLS, Registry, Versioned, decode, encode, owning_pool};
 use crate::store::{Op, Precondition, StoreError};
 
 pub const LEASES: &str = "/leases/";
+/// One key per scope that every grant in it compares-and-swaps.
+pub const LEASE_BUDGETS: &str = "/lease-budgets/";
 pub const MIN_TTL_SECS: u64 = 10;
 pub const MAX_TTL_SECS: u64 = 3600;
 
@@ -35,6 +46,15 @@ pub struct Lease {
     pub expires_at: Timestamp,
 }
 
+/// The value of a scope's budget key: how many leases its last grant left held. The count
+/// is for operators reading the store; what guards the budget is the key's revision.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Budget {
+    held: usize,
+}
+
+/// The earlier layout: every lease of a scope in one key.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct PoolLeases {
@@ -48,9 +68,38 @@ pub enum Decision {
     Wait { message: String },
 }
 
+/// Where a machine's lease counts, and against what.
+#[derive(Debug)]
+struct Scope {
+    /// The pool's name, or `-<machine>` for a machine in no pool.
+    name: String,
+    budget: usize,
+    /// The scope's other members that are unavailable already.
+    down: Vec<Name>,
+    windows: Vec<MaintenanceWindow>,
+}
+
+impl Scope {
+    fn prefix(&self) -> String {
+        format!("{LEASES}{}/", self.name)
+    }
+
+    fn lease_key(&self, machine: &Name) -> String {
+        format!("{LEASES}{}/{machine}", self.name)
+    }
+
+    fn budget_key(&self) -> String {
+        format!("{LEASE_BUDGETS}{}", self.name)
+    }
+
+    fn legacy_key(&self) -> String {
+        format!("{LEASES}{}", self.name)
+    }
+}
+
 /// Why no lease can be granted now, when the holders and the other unavailable members
 /// (counted once when a holder is also down) fill the budget.
-fn over_budget(leases: &[Lease], down: &[Name], budget: usize) -> Option<String> {
+fn over_budget(leases: &[&Lease], down: &[Name], budget: usize) -> Option<String> {
     let holders: HashSet<&Name> = leases.iter().map(|l| &l.machine).collect();
     let unavailable: Vec<&Name> = down.iter().filter(|d| !holders.contains(d)).collect();
     let taken = leases.len() + unavailable.len();
@@ -62,20 +111,24 @@ fn over_budget(leases: &[Lease], down: &[Name], budget: usize) -> Option<String>
     Some(format!("{taken} of {budget} allowed unavailable ({})", all.join(", ")))
 }
 
-fn encode<T: Serialize>(v: &T) -> Vec<u8> {
-    serde_json::to_vec(v).unwrap_or_else(|e| panic!("serialising leases: {e}"))
+fn check_ttl(ttl_secs: u64) -> Result<(), ApiError> {
+    if (MIN_TTL_SECS..=MAX_TTL_SECS).contains(&ttl_secs) {
+        Ok(())
+    } else {
+        Err(ApiError::invalid("ttlSeconds", format!("must be between {MIN_TTL_SECS} and {MAX_TTL_SECS}")))
+    }
 }
 
 impl Registry {
-    /// The lease key and budget of a machine: its pool's `maxUnavailable` over the pool's
+    /// The scope and budget of a machine's lease: its pool's `maxUnavailable` over the pool's
     /// member count, and the other members that are unavailable already (not Ready, or
     /// unreachable), which use up the budget as leases do. A machine in no pool disrupts
     /// only itself.
-    async fn lease_scope(&self, name: &Name) -> Result<(String, usize, Vec<Name>, Vec<MaintenanceWindow>), ApiError> {
+    async fn lease_scope(&self, name: &Name) -> Result<Scope, ApiError> {
         let machine = self.machine(name.as_str()).await?;
         let (pools, _) = self.list::<MachinePool>(POOLS).await?;
         let Some(pool) = owning_pool(&pools, &machine.object.metadata.labels) else {
-            return Ok((format!("{LEASES}-{name}"), 1, Vec::new(), Vec::new()));
+            return Ok(Scope { name: format!("-{name}"), budget: 1, down: Vec::new(), windows: Vec::new() });
         };
         let (members, down) = {
             let mut census = self.census.lock().unwrap_or_else(|e| e.into_inner());
@@ -85,44 +138,93 @@ impl Registry {
                 None => (0, Vec::new()),
             }
         };
-        let budget = pool.spec.rollout.max_unavailable.resolve(members);
-        Ok((format!("{LEASES}{}", pool.metadata.name_str()), budget, down, pool.spec.rollout.maintenance_windows.clone()))
+        Ok(Scope {
+            name: pool.metadata.name_str().to_owned(),
+            budget: pool.spec.rollout.max_unavailable.resolve(members),
+            down,
+            windows: pool.spec.rollout.maintenance_windows.clone(),
+        })
+    }
+
+    /// Splits a scope's leases kept in the earlier one-key layout into lease keys, and moves
+    /// its budget key so that a grant that read the scope before the split cannot commit.
+    async fn split_legacy_leases(&self, scope: &Scope) -> Result<(), ApiError> {
+        for _ in 0..CAS_ATTEMPTS {
+            let Some(legacy) = self.get::<PoolLeases>(&scope.legacy_key()).await? else {
+                return Ok(());
+            };
+            let now = meta::now();
+            let held: Vec<&Lease> = legacy.object.leases.iter().filter(|l| l.expires_at > now).collect();
+            let mut ops = vec![
+                Op::Delete { key: scope.legacy_key(), precondition: Precondition::Revision(legacy.revision) },
+                Op::Put { key: scope.budget_key(), value: encode(&Budget { held: held.len() }), precondition: Precondition::None },
+            ];
+            ops.extend(held.iter().map(|l| Op::Put {
+                key: scope.lease_key(&l.machine),
+                value: encode(l),
+                precondition: Precondition::None,
+            }));
+            match self.store.txn(ops).await {
+                Ok(_) => {
+                    tracing::info!(scope = scope.name, leases = held.len(), "split the scope's disruption leases into one key each");
+                    return Ok(());
+                }
+                Err(StoreError::Conflict { .. }) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(ApiError::Conflict("leases are changing too often; try again".into()))
     }
 
     pub async fn acquire_lease(&self, name: &Name, reason: &str, ttl_secs: u64) -> Result<Decision, ApiError> {
-        if !(MIN_TTL_SECS..=MAX_TTL_SECS).contains(&ttl_secs) {
-            return Err(ApiError::invalid("ttlSeconds", format!("must be between {MIN_TTL_SECS} and {MAX_TTL_SECS}")));
-        }
-        let (key, budget, down, windows) = self.lease_scope(name).await?;
-        // Every lease of a pool is one key: taking requests one at a time in this process
-        // spares them a storm of compare-and-swap retries when a wave starts. The
+        check_ttl(ttl_secs)?;
+        let scope = self.lease_scope(name).await?;
+        self.split_legacy_leases(&scope).await?;
+        // Grants in one scope conflict on its budget key: taking them one at a time in this
+        // process spares them a storm of compare-and-swap retries when a wave starts. The
         // compare-and-swap still guards against other replicas.
         let one_at_a_time = self.lease_lock.lock().await;
         for _ in 0..CAS_ATTEMPTS {
-            let current: Option<Versioned<PoolLeases>> = self.get(&key).await?;
-            let now = meta::now();
-            let (mut set, precondition) = match current {
-                Some(v) => (v.object, Precondition::Revision(v.revision)),
-                None => (PoolLeases::default(), Precondition::Absent),
+            // The budget key first, then the leases: the listing is at least as new as the
+            // budget's revision, so it holds every lease granted up to it; a grant after it
+            // moved the budget key, and the compare below fails.
+            let budget = match self.store.get(&scope.budget_key()).await? {
+                Some(entry) => Precondition::Revision(entry.mod_revision),
+                None => Precondition::Absent,
             };
-            set.leases.retain(|l| l.expires_at > now);
+            let (leases, _) = self.list::<Lease>(&scope.prefix()).await?;
+            let now = meta::now();
             let expires_at = now + time::Duration::seconds(ttl_secs as i64);
-            // A machine asking again while it holds a lease gets the same one, renewed.
-            let lease = if let Some(l) = set.leases.iter_mut().find(|l| &l.machine == name) {
-                l.expires_at = expires_at;
-                l.clone()
-            } else if !keelson_api::window::any_open(&windows, now) {
-                let message = format!("outside the maintenance windows ({})", keelson_api::window::describe(&windows));
+            let (held, expired): (Vec<&Versioned<Lease>>, Vec<&Versioned<Lease>>) = leases.iter().partition(|l| l.object.expires_at > now);
+
+            let (lease, ops) = if let Some(mine) = held.iter().find(|l| &l.object.machine == name) {
+                // A machine asking again while it holds a lease gets the same one, renewed.
+                let lease = Lease { expires_at, ..mine.object.clone() };
+                let op = Op::Put { key: scope.lease_key(name), value: encode(&lease), precondition: Precondition::Revision(mine.revision) };
+                (lease, vec![op])
+            } else if !keelson_api::window::any_open(&scope.windows, now) {
+                let message = format!("outside the maintenance windows ({})", keelson_api::window::describe(&scope.windows));
                 return Ok(Decision::Wait { message });
-            } else if let Some(message) = over_budget(&set.leases, &down, budget) {
+            } else if let Some(message) = over_budget(&held.iter().map(|l| &l.object).collect::<Vec<_>>(), &scope.down, scope.budget) {
                 return Ok(Decision::Wait { message });
             } else {
                 let id: [u8; 8] = rand::random();
-                let l = Lease { id: hex::encode(id), machine: name.clone(), reason: reason.to_owned(), granted_at: now, expires_at };
-                set.leases.push(l.clone());
-                l
+                let lease = Lease { id: hex::encode(id), machine: name.clone(), reason: reason.to_owned(), granted_at: now, expires_at };
+                let mut ops =
+                    vec![Op::Put { key: scope.budget_key(), value: encode(&Budget { held: held.len() + 1 }), precondition: budget }];
+                // The machine's own expired lease is overwritten below, the others deleted.
+                let mine_expired = expired.iter().find(|l| &l.object.machine == name).map(|l| l.revision);
+                ops.extend(
+                    expired
+                        .iter()
+                        .filter(|l| &l.object.machine != name)
+                        .map(|l| Op::Delete { key: scope.lease_key(&l.object.machine), precondition: Precondition::Revision(l.revision) }),
+                );
+                let precondition = mine_expired.map_or(Precondition::Absent, Precondition::Revision);
+                ops.push(Op::Put { key: scope.lease_key(name), value: encode(&lease), precondition });
+                (lease, ops)
             };
-            match self.store.txn(vec![Op::Put { key: key.clone(), value: encode(&set), precondition }]).await {
+            match self.store.txn(ops).await {
                 Ok(_) => {
                     drop(one_at_a_time);
                     self.record_event(
@@ -142,45 +244,32 @@ impl Registry {
         Err(ApiError::Conflict("leases are changing too often; try again".into()))
     }
 
-    /// Renews (`ttl_secs` Some) or releases (None) a machine's lease.
+    /// Renews (`ttl_secs` Some) or releases (None) a machine's lease. Only the lease's own
+    /// key changes: a release frees its slot for the next grant, and a renewal of a lease a
+    /// grant has just counted as expired (and deleted) fails.
     pub async fn update_lease(&self, name: &Name, id: &str, ttl_secs: Option<u64>) -> Result<Option<Lease>, ApiError> {
-        if let Some(t) = ttl_secs
-            && !(MIN_TTL_SECS..=MAX_TTL_SECS).contains(&t)
-        {
-            return Err(ApiError::invalid("ttlSeconds", format!("must be between {MIN_TTL_SECS} and {MAX_TTL_SECS}")));
+        if let Some(t) = ttl_secs {
+            check_ttl(t)?;
         }
-        let (key, ..) = self.lease_scope(name).await?;
-        // Every lease of a pool is one key: taking requests one at a time in this process
-        // spares them a storm of compare-and-swap retries when a wave starts. The
-        // compare-and-swap still guards against other replicas.
-        let one_at_a_time = self.lease_lock.lock().await;
+        let scope = self.lease_scope(name).await?;
+        self.split_legacy_leases(&scope).await?;
+        let key = scope.lease_key(name);
         for _ in 0..CAS_ATTEMPTS {
-            let Some(current) = self.get::<PoolLeases>(&key).await? else {
-                return Err(ApiError::NotFound(format!("lease {id} not found")));
-            };
-            let mut set = current.object;
             let now = meta::now();
-            set.leases.retain(|l| l.expires_at > now);
-            let Some(pos) = set.leases.iter().position(|l| l.id == id && &l.machine == name) else {
+            let current = self.get::<Lease>(&key).await?.filter(|l| l.object.id == id && l.object.expires_at > now);
+            let Some(current) = current else {
                 return Err(ApiError::NotFound(format!("lease {id} of {name} not found (expired or released)")));
             };
-            let result = match ttl_secs {
+            let precondition = Precondition::Revision(current.revision);
+            let (op, result) = match ttl_secs {
                 Some(t) => {
-                    set.leases[pos].expires_at = now + time::Duration::seconds(t as i64);
-                    Some(set.leases[pos].clone())
+                    let lease = Lease { expires_at: now + time::Duration::seconds(t as i64), ..current.object };
+                    (Op::Put { key: key.clone(), value: encode(&lease), precondition }, Some(lease))
                 }
-                None => {
-                    set.leases.remove(pos);
-                    None
-                }
+                None => (Op::Delete { key: key.clone(), precondition }, None),
             };
-            match self
-                .store
-                .txn(vec![Op::Put { key: key.clone(), value: encode(&set), precondition: Precondition::Revision(current.revision) }])
-                .await
-            {
+            match self.store.txn(vec![op]).await {
                 Ok(_) => {
-                    drop(one_at_a_time);
                     if result.is_none() {
                         self.record_event(name.as_str(), "Normal", "DisruptionReleased", &format!("lease {id}"), "controller").await?;
                     }
@@ -193,10 +282,163 @@ impl Registry {
         Err(ApiError::Conflict("leases are changing too often; try again".into()))
     }
 
-    /// Every unexpired lease, for operators and tests.
+    /// Every unexpired lease, for operators and tests: lease keys, and any scope still in
+    /// the earlier one-key layout.
     pub async fn leases(&self) -> Result<Vec<Lease>, ApiError> {
-        let (sets, _) = self.list::<PoolLeases>(LEASES).await?;
+        let listing = self.store.list(LEASES).await?;
         let now = meta::now();
-        Ok(sets.into_iter().flat_map(|s| s.object.leases).filter(|l| l.expires_at > now).collect())
+        let mut leases = Vec::new();
+        for entry in &listing.entries {
+            let found = if entry.key[LEASES.len()..].contains('/') {
+                vec![decode::<Lease>(&entry.key, &entry.value)?]
+            } else {
+                decode::<PoolLeases>(&entry.key, &entry.value)?.leases
+            };
+            leases.extend(found.into_iter().filter(|l| l.expires_at > now));
+        }
+        Ok(leases)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use serde_json::json;
+
+    use super::*;
+    use crate::pki::Authority;
+    use crate::registry::MACHINES;
+    use crate::store::sqlite::SqliteStore;
+    use crate::store::{Store, StoreExt};
+
+    type R = anyhow::Result<()>;
+
+    fn name(n: &str) -> Name {
+        n.parse().unwrap_or_else(|e| panic!("{n}: {e:?}"))
+    }
+
+    /// A store holding pool `web` (`maxUnavailable` as given) and its Ready members.
+    async fn fleet(dir: &tempfile::TempDir, max_unavailable: u32, members: &[&str]) -> anyhow::Result<Arc<dyn Store>> {
+        let store: Arc<dyn Store> = Arc::new(SqliteStore::open(&dir.path().join("keelson.db"))?);
+        let pool = json!({"apiVersion": "keelson.io/v1alpha1", "kind": "MachinePool",
+            "metadata": {"name": "web", "creationTimestamp": "2026-01-01T00:00:00Z"},
+            "spec": {"selector": {"matchLabels": {"pool": "web"}}, "template": {"spec": {"roles": ["worker"]}},
+                     "rollout": {"maxUnavailable": max_unavailable}}});
+        store.put(&format!("{POOLS}web"), serde_json::to_vec(&pool)?, Precondition::Absent).await?;
+        for m in members {
+            let machine = json!({"apiVersion": "keelson.io/v1alpha1", "kind": "Machine",
+                "metadata": {"name": m, "labels": {"pool": "web"}},
+                "status": {"conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}});
+            store.put(&format!("{MACHINES}{m}"), serde_json::to_vec(&machine)?, Precondition::Absent).await?;
+        }
+        Ok(store)
+    }
+
+    fn registry(dir: &tempfile::TempDir, store: &Arc<dyn Store>) -> anyhow::Result<Registry> {
+        let (authority, _) = Authority::load_or_create(dir.path())?;
+        let (_, leading) = tokio::sync::watch::channel(true);
+        Ok(Registry::new(store.clone(), Arc::new(authority), leading))
+    }
+
+    async fn ask(registry: &Registry, machine: &str) -> anyhow::Result<Result<Lease, String>> {
+        Ok(match registry.acquire_lease(&name(machine), "restart containerd", 60).await? {
+            Decision::Granted(lease) => Ok(lease),
+            Decision::Wait { message } => Err(message),
+        })
+    }
+
+    fn granted(answer: Result<Lease, String>) -> Lease {
+        answer.unwrap_or_else(|wait| panic!("not granted: {wait}"))
+    }
+
+    fn machines_holding(leases: Vec<Lease>) -> Vec<String> {
+        let mut names: Vec<String> = leases.into_iter().map(|l| l.machine.to_string()).collect();
+        names.sort();
+        names
+    }
+
+    #[tokio::test]
+    async fn each_lease_is_its_own_key_and_an_expired_one_frees_its_slot_for_good() -> R {
+        let dir = tempfile::tempdir()?;
+        let store = fleet(&dir, 2, &["a", "b", "c"]).await?;
+        let registry = registry(&dir, &store)?;
+        let a = granted(ask(&registry, "a").await?);
+        let b = granted(ask(&registry, "b").await?);
+        let wait = ask(&registry, "c").await?.err().unwrap_or_default();
+        assert!(wait.starts_with("2 of 2 allowed unavailable (a, b"), "{wait}");
+        // Asking again while holding renews the same lease.
+        assert_eq!(granted(ask(&registry, "a").await?).id, a.id);
+
+        // a's holder died: its lease runs out.
+        let expired = Lease { expires_at: meta::now() - time::Duration::seconds(1), ..a.clone() };
+        store.put("/leases/web/a", encode(&expired), Precondition::Exists).await?;
+        let c = granted(ask(&registry, "c").await?);
+        assert!(store.get("/leases/web/a").await?.is_none(), "the grant deleted the expired lease");
+        let renewal = registry.update_lease(&name("a"), &a.id, Some(60)).await;
+        assert!(matches!(renewal, Err(ApiError::NotFound(_))), "an expired lease came back: {renewal:?}");
+        let budget: Budget = serde_json::from_slice(&store.get("/lease-budgets/web").await?.map(|e| e.value).unwrap_or_default())?;
+        assert_eq!(budget.held, 2);
+
+        // Renewal and release touch only the lease's own key.
+        let before = store.get("/lease-budgets/web").await?.map(|e| e.mod_revision);
+        let renewed = registry.update_lease(&name("b"), &b.id, Some(120)).await?.unwrap_or_else(|| panic!("no lease"));
+        assert!(renewed.expires_at > b.expires_at);
+        assert_eq!(registry.update_lease(&name("c"), &c.id, None).await?, None);
+        assert_eq!(store.get("/lease-budgets/web").await?.map(|e| e.mod_revision), before);
+        assert_eq!(machines_holding(registry.leases().await?), ["b"]);
+        // A released lease is gone; a wrong id is not found.
+        assert!(matches!(registry.update_lease(&name("c"), &c.id, None).await, Err(ApiError::NotFound(_))));
+        assert!(matches!(registry.update_lease(&name("b"), &c.id, Some(60)).await, Err(ApiError::NotFound(_))));
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn leases_kept_in_one_key_by_an_earlier_version_count_and_are_split_on_first_use() -> R {
+        let dir = tempfile::tempdir()?;
+        let store = fleet(&dir, 1, &["a", "b", "c"]).await?;
+        let registry = registry(&dir, &store)?;
+        let now = meta::now();
+        let lease = |m: &str, id: &str, expires_in: i64| Lease {
+            id: id.into(),
+            machine: name(m),
+            reason: "reboot".into(),
+            granted_at: now,
+            expires_at: now + time::Duration::seconds(expires_in),
+        };
+        let legacy = PoolLeases { leases: vec![lease("a", "0a", 60), lease("b", "0b", -5)] };
+        store.put("/leases/web", encode(&legacy), Precondition::Absent).await?;
+        assert_eq!(machines_holding(registry.leases().await?), ["a"], "read from the earlier layout");
+
+        let wait = ask(&registry, "c").await?.err().unwrap_or_default();
+        assert_eq!(wait, "1 of 1 allowed unavailable (a)");
+        assert!(store.get("/leases/web").await?.is_none(), "the one key was split");
+        assert!(store.get("/leases/web/b").await?.is_none(), "the expired lease was dropped");
+        assert_eq!(registry.update_lease(&name("a"), "0a", Some(60)).await?.map(|l| l.id), Some("0a".into()));
+        assert_eq!(registry.update_lease(&name("a"), "0a", None).await?, None);
+        granted(ask(&registry, "c").await?);
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn two_controllers_granting_at_once_never_exceed_the_budget() -> R {
+        let dir = tempfile::tempdir()?;
+        let members: Vec<String> = (0..12).map(|i| format!("m{i}")).collect();
+        let store = fleet(&dir, 3, &members.iter().map(String::as_str).collect::<Vec<_>>()).await?;
+        // Two registries over one store: each takes its own requests one at a time, so only
+        // the budget key's compare-and-swap keeps them apart.
+        let replicas = [Arc::new(registry(&dir, &store)?), Arc::new(registry(&dir, &store)?)];
+        let asks = members.iter().enumerate().map(|(i, m)| {
+            let registry = replicas[i % 2].clone();
+            let machine = m.clone();
+            tokio::spawn(async move { ask(&registry, &machine).await })
+        });
+        let mut grants = 0;
+        for answer in futures_util::future::join_all(asks).await {
+            grants += usize::from(answer??.is_ok());
+        }
+        assert_eq!(grants, 3);
+        assert_eq!(replicas[0].leases().await?.len(), 3);
+        Ok(())
     }
 }
