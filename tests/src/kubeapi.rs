@@ -107,7 +107,7 @@ impl Cluster {
         let meta = &mut object["metadata"];
         meta["resourceVersion"] = json!(self.revision.to_string());
         if meta["uid"].is_null() {
-            meta["uid"] = json!(format!("{:08x}-0000-4000-8000-{:012x}", rand_u32(), self.revision));
+            meta["uid"] = json!(format!("{:08x}-0000-4000-8000-{:012x}", rand::random::<u32>(), self.revision));
         }
         if meta["creationTimestamp"].is_null() {
             meta["creationTimestamp"] = json!(now());
@@ -218,13 +218,6 @@ impl Cluster {
     }
 }
 
-fn rand_u32() -> u32 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(std::process::id() as u64);
-    h.finish() as u32
-}
-
 fn ready_condition(ready: bool) -> Value {
     json!({"type": "Ready", "status": if ready { "True" } else { "False" }, "lastTransitionTime": now()})
 }
@@ -289,7 +282,7 @@ impl KubeApi {
         let (authority, _) = Authority::load_or_create_named(dir.path(), "kube-apiserver double CA")?;
         let (cert, key) = authority.issue_server(&["127.0.0.1".to_owned()])?;
         let tls = Arc::new(server_tls_config(&authority.cert_pem, &cert.cert_pem, &key)?);
-        let token: String = (0..32).map(|i| char::from(b'a' + ((rand_u32() >> (i % 16)) % 26) as u8)).collect();
+        let token: String = rand::Rng::sample_iter(rand::rng(), rand::distr::Alphanumeric).take(32).map(char::from).collect();
         let cluster = Arc::new(Mutex::new(Cluster::new()));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let url = format!("https://{}", listener.local_addr()?);
