@@ -341,3 +341,38 @@ pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
     sorted[rank.clamp(1, sorted.len()) - 1]
 }
+
+/// The events of a watch response (`?watch=true`: one JSON object per line), one at a time.
+pub struct WatchEvents {
+    stream: futures_util::stream::BoxStream<'static, reqwest::Result<Vec<u8>>>,
+    buffer: Vec<u8>,
+}
+
+impl std::fmt::Debug for WatchEvents {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WatchEvents").field("buffered", &self.buffer.len()).finish()
+    }
+}
+
+impl WatchEvents {
+    pub fn new(response: reqwest::Response) -> Self {
+        use futures_util::StreamExt;
+        WatchEvents { stream: response.bytes_stream().map(|chunk| chunk.map(|b| b.to_vec())).boxed(), buffer: Vec::new() }
+    }
+
+    /// The next event; an error when none comes within `limit` or the watch ends.
+    pub async fn next(&mut self, limit: Duration) -> anyhow::Result<serde_json::Value> {
+        use futures_util::StreamExt;
+        loop {
+            if let Some(i) = self.buffer.iter().position(|b| *b == b'\n') {
+                let line: Vec<u8> = self.buffer.drain(..=i).collect();
+                return Ok(serde_json::from_slice(&line)?);
+            }
+            let chunk = tokio::time::timeout(limit, self.stream.next())
+                .await
+                .map_err(|_| anyhow!("no watch event within {limit:?}"))?
+                .ok_or_else(|| anyhow!("the watch ended"))??;
+            self.buffer.extend_from_slice(&chunk);
+        }
+    }
+}

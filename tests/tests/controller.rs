@@ -4,7 +4,7 @@
 use std::os::unix::fs::PermissionsExt;
 use std::time::{Duration, Instant};
 
-use keelson_tests::{ApiClient, Controller, machine_json, runtime_spec, status_report};
+use keelson_tests::{ApiClient, Controller, WatchEvents, machine_json, runtime_spec, status_report};
 use serde_json::json;
 
 type R = anyhow::Result<()>;
@@ -545,16 +545,7 @@ keelson_tests::on_both_stores! {
         assert_ne!(changed.body["metadata"]["resourceVersion"], after.body["metadata"]["resourceVersion"]);
         assert_eq!(changed.body["status"]["phase"], "Converging");
         assert!(heartbeat(&changed.body)? > heartbeat(&after.body)?, "{}", changed.text);
-        let mut stream = watch.bytes_stream();
-        let mut buffer = Vec::new();
-        use futures_util::StreamExt;
-        let first = loop {
-            let chunk = tokio::time::timeout(Duration::from_secs(5), stream.next()).await?.ok_or_else(|| anyhow::anyhow!("watch ended"))??;
-            buffer.extend_from_slice(&chunk);
-            if let Some(i) = buffer.iter().position(|b| *b == b'\n') {
-                break serde_json::from_slice::<serde_json::Value>(&buffer[..i])?;
-            }
-        };
+        let first = WatchEvents::new(watch).next(Duration::from_secs(5)).await?;
         assert_eq!(first["object"]["status"]["phase"], "Converging", "{first}");
         Ok(())
     }
@@ -572,18 +563,8 @@ keelson_tests::on_both_stores! {
         assert_eq!(response.status().as_u16(), 200);
         admin.put("/v1/machines/b", &machine_json("b", json!({}), json!({}))).await?;
         admin.put("/v1/machines/a", &machine_json("a", json!({}), runtime_spec("1.6.20~ds1-1+deb12u2"))).await?;
-        let mut stream = response.bytes_stream();
-        let mut buffer = Vec::new();
-        let mut events = Vec::new();
-        use futures_util::StreamExt;
-        while events.len() < 2 {
-            let chunk = tokio::time::timeout(Duration::from_secs(5), stream.next()).await?.ok_or_else(|| anyhow::anyhow!("watch ended"))??;
-            buffer.extend_from_slice(&chunk);
-            while let Some(i) = buffer.iter().position(|b| *b == b'\n') {
-                let line: Vec<u8> = buffer.drain(..=i).collect();
-                events.push(serde_json::from_slice::<serde_json::Value>(&line)?);
-            }
-        }
+        let mut watch = WatchEvents::new(response);
+        let events = [watch.next(Duration::from_secs(5)).await?, watch.next(Duration::from_secs(5)).await?];
         assert_eq!((events[0]["type"].as_str(), events[0]["object"]["metadata"]["name"].as_str()), (Some("ADDED"), Some("b")));
         assert_eq!((events[1]["type"].as_str(), events[1]["object"]["metadata"]["generation"].as_u64()), (Some("MODIFIED"), Some(2)));
         Ok(())
