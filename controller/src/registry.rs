@@ -27,7 +27,7 @@ use subtle::ConstantTimeEq;
 
 use crate::error::ApiError;
 use crate::pki::{self, Authority};
-use crate::store::{Op, Precondition, Store, StoreError};
+use crate::store::{Entry, Op, Precondition, Store, StoreError};
 
 pub const MACHINES: &str = "/machines/";
 pub const HEARTBEATS: &str = "/heartbeats/";
@@ -295,21 +295,21 @@ impl Registry {
         let (mut machines, revision) = self.list::<Machine>(MACHINES).await?;
         let beats = self.heartbeats().await?;
         for m in &mut machines {
-            if let Some(beat) = beats.get(m.object.metadata.name_str()) {
-                heard_at(&mut m.object, beat.object.time);
+            if let Some(&time) = beats.get(m.object.metadata.name_str()) {
+                heard_at(&mut m.object, time);
             }
         }
         Ok((machines, revision))
     }
 
-    /// Every machine's heartbeat, by machine name.
-    async fn heartbeats(&self) -> Result<std::collections::HashMap<String, Versioned<Heartbeat>>, ApiError> {
+    /// Every machine's latest heartbeat time, by machine name.
+    async fn heartbeats(&self) -> Result<std::collections::HashMap<String, Timestamp>, ApiError> {
         let listing = self.store.list(HEARTBEATS).await?;
         listing
             .entries
             .iter()
             .filter_map(|e| Some((e.key.strip_prefix(HEARTBEATS)?, e)))
-            .map(|(name, e)| Ok((name.to_owned(), Versioned { object: decode(&e.key, &e.value)?, revision: e.mod_revision })))
+            .map(|(name, e)| Ok((name.to_owned(), decode::<Heartbeat>(&e.key, &e.value)?.time)))
             .collect()
     }
 
@@ -319,22 +319,39 @@ impl Registry {
     where
         F: FnMut(&mut Machine) -> Result<bool, ApiError> + Send,
     {
+        Ok(self.update_machine_guarded(name, None, |m, _| change(m)).await?.0)
+    }
+
+    /// `update_machine` for a change that also depends on another key, `guard`: `change` sees
+    /// its entry as read, and the write goes ahead only if that key is still as it was.
+    /// Returns the machine and whether it was written.
+    async fn update_machine_guarded<F>(
+        &self,
+        name: &str,
+        guard: Option<&str>,
+        mut change: F,
+    ) -> Result<(Versioned<Machine>, bool), ApiError>
+    where
+        F: FnMut(&mut Machine, Option<&Entry>) -> Result<bool, ApiError> + Send,
+    {
         let key = format!("{MACHINES}{name}");
         for _ in 0..CAS_ATTEMPTS {
             let mut current = self.machine(name).await?;
-            if !change(&mut current.object)? {
-                return Ok(current);
+            let guarded = match guard {
+                Some(g) => Some((g, self.store.get(g).await?)),
+                None => None,
+            };
+            if !change(&mut current.object, guarded.as_ref().and_then(|(_, e)| e.as_ref()))? {
+                return Ok((current, false));
             }
-            match self
-                .store
-                .txn(vec![Op::Put {
-                    key: key.clone(),
-                    value: encode(&current.object),
-                    precondition: Precondition::Revision(current.revision),
-                }])
-                .await
-            {
-                Ok(revision) => return Ok(Versioned { object: current.object, revision }),
+            let mut ops =
+                vec![Op::Put { key: key.clone(), value: encode(&current.object), precondition: Precondition::Revision(current.revision) }];
+            if let Some((g, entry)) = guarded {
+                let precondition = entry.map_or(Precondition::Absent, |e| Precondition::Revision(e.mod_revision));
+                ops.push(Op::Check { key: g.to_owned(), precondition });
+            }
+            match self.store.txn(ops).await {
+                Ok(revision) => return Ok((Versioned { object: current.object, revision }, true)),
                 Err(StoreError::Conflict { .. }) => continue,
                 Err(e) => return Err(e.into()),
             }
@@ -598,47 +615,32 @@ impl Registry {
     }
 
     /// Marks one machine unreachable unless it reported after `silent_since`, as of one
-    /// reading of both its record and its heartbeat. Returns whether it did.
+    /// reading of both its record and its heartbeat (a heartbeat in between wins). Returns
+    /// whether it did.
     async fn mark_silent(&self, name: &str, silent_since: Timestamp, message: &str, now: Timestamp) -> Result<bool, ApiError> {
-        let key = format!("{MACHINES}{name}");
         let beat_key = format!("{HEARTBEATS}{name}");
-        for _ in 0..CAS_ATTEMPTS {
-            let current = self.machine(name).await?;
-            let beat: Option<Versioned<Heartbeat>> = self.get(&beat_key).await?;
-            let mut machine = current.object.clone();
-            if let Some(b) = &beat {
-                heard_at(&mut machine, b.object.time);
-            }
-            if machine.status.last_heartbeat_time.is_none_or(|t| t >= silent_since) {
-                return Ok(false);
-            }
-            let mut machine = current.object;
-            machine.status.phase = Some(Phase::Unreachable);
-            if !set_condition(
-                &mut machine.status.conditions,
-                condition::REACHABLE,
-                ConditionStatus::False,
-                "HeartbeatTimeout",
-                message,
-                now,
-            ) {
-                return Ok(false);
-            }
-            let ops = vec![
-                Op::Put { key: key.clone(), value: encode(&machine), precondition: Precondition::Revision(current.revision) },
-                // A heartbeat in between wins.
-                Op::Check {
-                    key: beat_key.clone(),
-                    precondition: beat.map_or(Precondition::Absent, |b| Precondition::Revision(b.revision)),
-                },
-            ];
-            match self.store.txn(ops).await {
-                Ok(_) => return Ok(true),
-                Err(StoreError::Conflict { .. }) => continue,
-                Err(e) => return Err(e.into()),
-            }
-        }
-        Err(ApiError::Conflict(format!("machine {name} is changing too often to update; try again")))
+        let (_, marked) = self
+            .update_machine_guarded(name, Some(&beat_key), |machine, beat| {
+                let mut seen = machine.status.last_heartbeat_time;
+                if let Some(b) = beat {
+                    let beat: Heartbeat = decode(&b.key, &b.value)?;
+                    seen = seen.max(Some(beat.time));
+                }
+                if seen.is_none_or(|t| t >= silent_since) {
+                    return Ok(false);
+                }
+                machine.status.phase = Some(Phase::Unreachable);
+                Ok(set_condition(
+                    &mut machine.status.conditions,
+                    condition::REACHABLE,
+                    ConditionStatus::False,
+                    "HeartbeatTimeout",
+                    message,
+                    now,
+                ))
+            })
+            .await?;
+        Ok(marked)
     }
 
     pub async fn record_event(&self, name: &str, type_: &str, reason: &str, message: &str, source: &str) -> Result<(), ApiError> {
