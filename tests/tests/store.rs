@@ -99,6 +99,28 @@ async fn a_failed_precondition_writes_nothing_of_the_transaction(store: &dyn Sto
     Ok(())
 }
 
+async fn a_check_guards_a_transaction_and_writes_nothing_itself(store: &dyn Store) -> R {
+    let guard = store.put("/guard", b"g".to_vec(), Precondition::None).await?;
+    let check = |precondition| Op::Check { key: "/guard".into(), precondition };
+    let put = |key: &str| Op::Put { key: key.to_owned(), value: b"c".to_vec(), precondition: Precondition::None };
+    // A check that fails refuses the whole transaction, naming the key it checked.
+    for precondition in [Precondition::Revision(guard + 1000), Precondition::Absent] {
+        let result = store.txn(vec![put("/checked/1"), check(precondition)]).await;
+        assert!(matches!(result, Err(StoreError::Conflict { ref key, found: Some(f), .. }) if key == "/guard" && f == guard), "{result:?}");
+    }
+    assert!(store.get("/checked/1").await?.is_none());
+    // One that holds lets it commit, and leaves the checked key as it was.
+    let at = store.txn(vec![put("/checked/1"), check(Precondition::Revision(guard))]).await?;
+    assert_eq!(store.get("/checked/1").await?.map(|e| e.mod_revision), Some(at));
+    assert_eq!(store.get("/guard").await?.map(|e| e.mod_revision), Some(guard));
+    // A check on a missing key.
+    let result = store.txn(vec![put("/checked/2"), Op::Check { key: "/none".into(), precondition: Precondition::Exists }]).await;
+    assert!(matches!(result, Err(StoreError::Conflict { found: None, .. })), "{result:?}");
+    store.txn(vec![put("/checked/2"), Op::Check { key: "/none".into(), precondition: Precondition::Absent }]).await?;
+    assert!(store.get("/none").await?.is_none());
+    Ok(())
+}
+
 async fn concurrent_writers_to_one_key_serialise(store: Arc<dyn Store>) -> R {
     let rev = store.put("/counter", b"0".to_vec(), Precondition::None).await?;
     // 20 writers race with the same expected revision: exactly one wins.
@@ -153,6 +175,7 @@ async fn the_contract(subject: Subject) -> R {
     let store = subject.store.clone();
     compare_and_swap_and_revisions(&*store).await.context("compare-and-swap and revisions")?;
     a_failed_precondition_writes_nothing_of_the_transaction(&*store).await.context("transactions")?;
+    a_check_guards_a_transaction_and_writes_nothing_itself(&*store).await.context("checks")?;
     concurrent_writers_to_one_key_serialise(store.clone()).await.context("racing writers")?;
     watch_replays_then_follows(&*store).await.context("watch")?;
     Ok(())
