@@ -141,6 +141,36 @@ async fn concurrent_writers_to_one_key_serialise(store: Arc<dyn Store>) -> R {
     Ok(())
 }
 
+async fn concurrent_transactions_on_other_keys_commit_or_fail_each_on_its_own(store: Arc<dyn Store>) -> R {
+    // 60 transactions at once (the etcd store gathers waiting ones into one etcd
+    // transaction): every third one's precondition fails, which must refuse it alone.
+    let taken = store.put("/each/taken", b"x".to_vec(), Precondition::None).await?;
+    let mut tasks = Vec::new();
+    for i in 0..60 {
+        let store = store.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut ops =
+                vec![Op::Put { key: format!("/each/{i}"), value: format!("{i}").into_bytes(), precondition: Precondition::Absent }];
+            if i % 3 == 0 {
+                ops.push(Op::Check { key: "/each/taken".into(), precondition: Precondition::Revision(taken + 1000) });
+            }
+            store.txn(ops).await
+        }));
+    }
+    for (i, task) in tasks.into_iter().enumerate() {
+        let result = task.await?;
+        let stored = store.get(&format!("/each/{i}")).await?;
+        if i % 3 == 0 {
+            assert!(matches!(result, Err(StoreError::Conflict { ref key, .. }) if key == "/each/taken"), "{i}: {result:?}");
+            assert!(stored.is_none(), "{i} was written though refused");
+        } else {
+            let at = result.with_context(|| format!("{i}"))?;
+            assert_eq!(stored.map(|e| e.mod_revision), Some(at), "{i}: read after its write");
+        }
+    }
+    Ok(())
+}
+
 async fn watch_replays_then_follows(store: &dyn Store) -> R {
     store.put("/m/a", b"1".to_vec(), Precondition::None).await?;
     let r = store.put("/m/b", b"2".to_vec(), Precondition::None).await?;
@@ -177,6 +207,7 @@ async fn the_contract(subject: Subject) -> R {
     a_failed_precondition_writes_nothing_of_the_transaction(&*store).await.context("transactions")?;
     a_check_guards_a_transaction_and_writes_nothing_itself(&*store).await.context("checks")?;
     concurrent_writers_to_one_key_serialise(store.clone()).await.context("racing writers")?;
+    concurrent_transactions_on_other_keys_commit_or_fail_each_on_its_own(store.clone()).await.context("independent writers")?;
     watch_replays_then_follows(&*store).await.context("watch")?;
     Ok(())
 }

@@ -6,11 +6,12 @@
 //! prefix, and each key's create and modification revisions are etcd's.
 //!
 //! Writes are etcd transactions: a store precondition becomes a compare on the key's create or
-//! modification revision, so compare-and-swap across replicas is etcd's, not ours. Reads and
-//! watches are served from the same in-memory `Mirror` the SQLite store uses, fed by one etcd
-//! watch on the prefix. A replica's mirror can trail etcd by the watch's delay, so every write
-//! (and every refused one) waits until the mirror holds its revision before it answers: a
-//! caller that writes and then reads sees its write, and one that lost a compare-and-swap
+//! modification revision, so compare-and-swap across replicas is etcd's, not ours. Writes that
+//! queue while others are in flight leave together as one transaction (`batch_writes`). Reads
+//! and watches are served from the same in-memory `Mirror` the SQLite store uses, fed by one
+//! etcd watch on the prefix. A replica's mirror can trail etcd by the watch's delay, so every
+//! write (and every refused one) waits until the mirror holds its revision before it answers:
+//! a caller that writes and then reads sees its write, and one that lost a compare-and-swap
 //! re-reads at least what beat it.
 
 use std::collections::{BTreeMap, HashSet};
@@ -23,7 +24,7 @@ use etcd_client::{
     Certificate, Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, Identity, KeyValue, TlsOptions, Txn, TxnOp,
     TxnOpResponse, WatchOptions, WatchResponse,
 };
-use tokio::sync::mpsc;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use super::mirror::Mirror;
@@ -88,18 +89,38 @@ impl EtcdOptions {
 }
 
 pub struct EtcdStore {
+    writer: Writer,
+    /// Transactions waiting for the batcher (`batch_writes`).
+    queue: mpsc::UnboundedSender<Pending>,
+    stop: CancellationToken,
+}
+
+/// What sends transactions to etcd and waits for the mirror to show them.
+#[derive(Clone)]
+struct Writer {
     client: Client,
     /// `prefix`: store keys are appended to it.
     prefix: String,
     mirror: Arc<Mirror>,
     /// Asks the mirror's watch to have etcd report its progress.
     progress: mpsc::Sender<()>,
-    stop: CancellationToken,
+}
+
+/// A transaction's compares, writes, and reads of the keys it writes.
+type TxnParts = (Vec<Compare>, Vec<TxnOp>, Vec<TxnOp>);
+
+/// A transaction waiting to be sent, and where its answer goes.
+struct Pending {
+    ops: Vec<Op>,
+    done: oneshot::Sender<Result<u64, StoreError>>,
 }
 
 impl std::fmt::Debug for EtcdStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EtcdStore").field("prefix", &self.prefix).field("revision", &self.mirror.revision()).finish_non_exhaustive()
+        f.debug_struct("EtcdStore")
+            .field("prefix", &self.writer.prefix)
+            .field("revision", &self.writer.mirror.revision())
+            .finish_non_exhaustive()
     }
 }
 
@@ -144,19 +165,24 @@ impl EtcdStore {
         if let Some(every) = options.compact_every {
             tokio::spawn(compact_history(client.clone(), format!("{prefix}/"), every, stop.clone()));
         }
-        Ok(EtcdStore { client, prefix, mirror, progress, stop })
+        let writer = Writer { client, prefix, mirror, progress };
+        let (queue, queued) = mpsc::unbounded_channel();
+        tokio::spawn(batch_writes(writer.clone(), queued, stop.clone()));
+        Ok(EtcdStore { writer, queue, stop })
     }
 
     /// The client, for the leader election of the replicas sharing this store.
     pub fn client(&self) -> Client {
-        self.client.clone()
+        self.writer.client.clone()
     }
 
     /// The etcd prefix of every store key.
     pub fn prefix(&self) -> &str {
-        &self.prefix
+        &self.writer.prefix
     }
+}
 
+impl Writer {
     fn etcd_key(&self, key: &str) -> Result<String, StoreError> {
         if !key.starts_with('/') {
             return Err(StoreError::Backend(format!("store key {key:?} does not start with /")));
@@ -183,6 +209,99 @@ impl EtcdStore {
         }
     }
 
+    /// `ops` as the parts of an etcd transaction: the compares of their preconditions, their
+    /// writes, and reads of their keys.
+    fn parts<'a>(&self, ops: impl IntoIterator<Item = &'a Op>) -> Result<TxnParts, StoreError> {
+        let (mut compares, mut writes, mut reads) = (Vec::new(), Vec::new(), Vec::new());
+        for op in ops {
+            let etcd_key = self.etcd_key(op.key())?;
+            compares.extend(compare(&etcd_key, op.precondition()));
+            reads.push(TxnOp::get(etcd_key.clone(), None));
+            match op {
+                Op::Put { value, .. } => writes.push(TxnOp::put(etcd_key, value.clone(), None)),
+                Op::Delete { .. } => writes.push(TxnOp::delete(etcd_key, None)),
+                Op::Check { .. } => {}
+            }
+        }
+        Ok((compares, writes, reads))
+    }
+
+    /// Sends one transaction. `retried_before`: an earlier request carrying these writes may
+    /// have been applied (then a refusal is checked against what etcd holds). Returns the
+    /// answer and the revision the mirror must reach before it is given.
+    async fn commit(&self, ops: &[Op], retried_before: bool) -> (Result<u64, StoreError>, u64) {
+        let txn = match self.parts(ops) {
+            // When refused, the transaction reads every key it would have written instead.
+            Ok((compares, writes, reads)) => Txn::new().when(compares).and_then(writes).or_else(reads),
+            Err(e) => return (Err(e), 0),
+        };
+        let (response, retried) = match self.send(txn).await {
+            Ok((response, retried)) => (response, retried || retried_before),
+            Err(e) => return (Err(e), 0),
+        };
+        let revision = revision_of(response.header().map_or(0, |h| h.revision()));
+        if response.succeeded() {
+            return (Ok(revision), revision);
+        }
+        let found: Vec<Option<KeyValue>> = response
+            .op_responses()
+            .into_iter()
+            .map(|read| match read {
+                TxnOpResponse::Get(get) => get.kvs().first().cloned(),
+                _ => None,
+            })
+            .collect();
+        // A try that etcd may have applied before its answer was lost leaves exactly what
+        // this transaction writes: then the retry's refusal is that try's success.
+        if retried && let Some(applied_at) = applied(ops, &found) {
+            return (Ok(applied_at), applied_at);
+        }
+        // Refused: say which precondition failed, from what etcd read in the same transaction.
+        let failed = ops.iter().zip(&found).find_map(|(op, kv)| {
+            let found = kv.as_ref().map(|kv| revision_of(kv.mod_revision()));
+            let expected = op.precondition();
+            (!expected.holds(found)).then(|| StoreError::Conflict { key: op.key().to_owned(), expected, found })
+        });
+        (Err(failed.unwrap_or_else(|| StoreError::Backend("etcd refused the transaction but every precondition holds".into()))), revision)
+    }
+
+    /// `commit`, then the wait for the mirror (`permit` no longer held), then the answer.
+    async fn commit_and_answer(&self, pending: Pending, retried_before: bool, permit: Option<OwnedSemaphorePermit>) {
+        let (result, revision) = self.commit(&pending.ops, retried_before).await;
+        drop(permit);
+        self.catch_up(revision).await;
+        // A caller that gave up waiting is not an error.
+        let _ = pending.done.send(result);
+    }
+
+    /// Several callers' transactions, on distinct keys, as one etcd transaction: when every
+    /// precondition holds, all commit at one revision. When one fails, each is sent again on
+    /// its own, so that only the ones whose preconditions fail are refused.
+    async fn commit_batch(&self, batch: Vec<Pending>, permit: OwnedSemaphorePermit) {
+        let sent = match self.parts(batch.iter().flat_map(|p| &p.ops)) {
+            Ok((compares, writes, _)) => self.send(Txn::new().when(compares).and_then(writes)).await,
+            Err(e) => Err(e),
+        };
+        drop(permit);
+        match sent {
+            Ok((response, _)) if response.succeeded() => {
+                let revision = revision_of(response.header().map_or(0, |h| h.revision()));
+                self.catch_up(revision).await;
+                for pending in batch {
+                    let _ = pending.done.send(Ok(revision));
+                }
+            }
+            Ok((_, retried)) => {
+                futures_util::future::join_all(batch.into_iter().map(|p| self.commit_and_answer(p, retried, None))).await;
+            }
+            Err(e) => {
+                for pending in batch {
+                    let _ = pending.done.send(Err(e.clone()));
+                }
+            }
+        }
+    }
+
     /// Waits until this replica's mirror holds `revision`.
     async fn catch_up(&self, revision: u64) {
         if self.mirror.caught_up(revision, MIRROR_QUICK_WAIT).await {
@@ -194,6 +313,64 @@ impl EtcdStore {
         if !self.mirror.caught_up(revision, MIRROR_WAIT).await {
             tracing::warn!(revision, seen = self.mirror.revision(), "the etcd watch has not caught up with a write; reads may trail it");
         }
+    }
+}
+
+/// How many transactions (single or batched) one replica has in flight to etcd at once.
+/// While they are, new ones queue and leave together: 1,000 heartbeats a second from a
+/// 10,000-machine fleet become a few dozen etcd transactions, not 1,000 raft rounds.
+const WRITES_IN_FLIGHT: usize = 4;
+/// The most writes in one batch (etcd's `--max-txn-ops` is 128 by default)…
+const BATCH_MAX_OPS: usize = 100;
+/// …and the most bytes of values (its `--max-request-bytes` is 1.5 MiB).
+const BATCH_MAX_BYTES: usize = 512 << 10;
+
+/// Sends queued transactions, gathering those that waited together into one etcd
+/// transaction when their keys are distinct.
+async fn batch_writes(writer: Writer, mut queue: mpsc::UnboundedReceiver<Pending>, stop: CancellationToken) {
+    let permits = Arc::new(Semaphore::new(WRITES_IN_FLIGHT));
+    let mut held_back: Option<Pending> = None;
+    loop {
+        let first = match held_back.take() {
+            Some(p) => p,
+            None => tokio::select! {
+                _ = stop.cancelled() => return,
+                next = queue.recv() => match next {
+                    Some(p) => p,
+                    None => return,
+                },
+            },
+        };
+        let permit = tokio::select! {
+            _ = stop.cancelled() => return,
+            permit = permits.clone().acquire_owned() => match permit {
+                Ok(permit) => permit,
+                Err(_) => return,
+            },
+        };
+        let size = |p: &Pending| p.ops.iter().map(|op| if let Op::Put { value, .. } = op { value.len() } else { 0 }).sum::<usize>();
+        let mut keys: HashSet<String> = first.ops.iter().map(|op| op.key().to_owned()).collect();
+        let (mut ops, mut bytes) = (first.ops.len(), size(&first));
+        let mut batch = vec![first];
+        while let Ok(next) = queue.try_recv() {
+            let fits = ops + next.ops.len() <= BATCH_MAX_OPS && bytes + size(&next) <= BATCH_MAX_BYTES;
+            if !fits || next.ops.iter().any(|op| keys.contains(op.key())) {
+                held_back = Some(next);
+                break;
+            }
+            keys.extend(next.ops.iter().map(|op| op.key().to_owned()));
+            ops += next.ops.len();
+            bytes += size(&next);
+            batch.push(next);
+        }
+        let writer = writer.clone();
+        tokio::spawn(async move {
+            if batch.len() == 1 {
+                writer.commit_and_answer(batch.remove(0), false, Some(permit)).await;
+            } else {
+                writer.commit_batch(batch, permit).await;
+            }
+        });
     }
 }
 
@@ -318,11 +495,11 @@ fn compare(etcd_key: &str, precondition: Precondition) -> Option<Compare> {
 #[async_trait]
 impl Store for EtcdStore {
     async fn get(&self, key: &str) -> Result<Option<Entry>, StoreError> {
-        Ok(self.mirror.get(key))
+        Ok(self.writer.mirror.get(key))
     }
 
     async fn list(&self, prefix: &str) -> Result<Listing, StoreError> {
-        Ok(self.mirror.list(prefix))
+        Ok(self.writer.mirror.list(prefix))
     }
 
     async fn txn(&self, ops: Vec<Op>) -> Result<u64, StoreError> {
@@ -331,61 +508,21 @@ impl Store for EtcdStore {
             // etcd refuses a transaction that writes one key twice.
             return Err(StoreError::Backend(format!("{} is written twice in one transaction", op.key())));
         }
-        let mut compares = Vec::new();
-        let mut writes = Vec::new();
-        // When refused, the transaction reads every key it would have written instead.
-        let mut reads = Vec::new();
-        for op in &ops {
-            let etcd_key = self.etcd_key(op.key())?;
-            compares.extend(compare(&etcd_key, op.precondition()));
-            reads.push(TxnOp::get(etcd_key.clone(), None));
-            match op {
-                Op::Put { value, .. } => writes.push(TxnOp::put(etcd_key, value.clone(), None)),
-                Op::Delete { .. } => writes.push(TxnOp::delete(etcd_key, None)),
-                Op::Check { .. } => {}
-            }
-        }
-        let txn = Txn::new().when(compares).and_then(writes).or_else(reads);
-        let (response, retried) = self.send(txn).await?;
-        let revision = revision_of(response.header().map_or(0, |h| h.revision()));
-        if response.succeeded() {
-            self.catch_up(revision).await;
-            return Ok(revision);
-        }
-        let found: Vec<Option<KeyValue>> = response
-            .op_responses()
-            .into_iter()
-            .map(|read| match read {
-                TxnOpResponse::Get(get) => get.kvs().first().cloned(),
-                _ => None,
-            })
-            .collect();
-        // A try that etcd may have applied before its answer was lost leaves exactly what
-        // this transaction writes: then the retry's refusal is that try's success.
-        if retried && let Some(applied_at) = applied(&ops, &found) {
-            self.catch_up(applied_at).await;
-            return Ok(applied_at);
-        }
-        // Refused: say which precondition failed, from what etcd read in the same transaction.
-        let failed = ops.iter().zip(&found).find_map(|(op, kv)| {
-            let found = kv.as_ref().map(|kv| revision_of(kv.mod_revision()));
-            let expected = op.precondition();
-            (!expected.holds(found)).then(|| StoreError::Conflict { key: op.key().to_owned(), expected, found })
-        });
-        self.catch_up(revision).await;
-        Err(failed.unwrap_or_else(|| StoreError::Backend("etcd refused the transaction but every precondition holds".into())))
+        let (done, answer) = oneshot::channel();
+        self.queue.send(Pending { ops, done }).map_err(|_| StoreError::Closed)?;
+        answer.await.map_err(|_| StoreError::Closed)?
     }
 
     async fn watch(&self, prefix: &str, after: u64) -> Result<Watch, StoreError> {
-        self.mirror.watch(prefix, after)
+        self.writer.mirror.watch(prefix, after)
     }
 
     fn revision(&self) -> u64 {
-        self.mirror.revision()
+        self.writer.mirror.revision()
     }
 
     fn since(&self, prefix: &str, after: Option<u64>) -> Since {
-        self.mirror.since(prefix, after)
+        self.writer.mirror.since(prefix, after)
     }
 }
 
