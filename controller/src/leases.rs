@@ -32,6 +32,9 @@ pub const LEASES: &str = "/leases/";
 /// One key per scope that every grant in it compares-and-swaps.
 pub const LEASE_BUDGETS: &str = "/lease-budgets/";
 pub const MIN_TTL_SECS: u64 = 10;
+/// The most writes this module puts in one transaction: etcd refuses more than 128 by default
+/// (`--max-txn-ops`), and the etcd store gathers writes of several callers into one.
+const MAX_OPS_PER_WRITE: usize = 50;
 pub const MAX_TTL_SECS: u64 = 3600;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -149,21 +152,31 @@ impl Registry {
     /// Splits a scope's leases kept in the earlier one-key layout into lease keys, and moves
     /// its budget key so that a grant that read the scope before the split cannot commit.
     async fn split_legacy_leases(&self, scope: &Scope) -> Result<(), ApiError> {
-        for _ in 0..CAS_ATTEMPTS {
+        'attempt: for _ in 0..CAS_ATTEMPTS {
             let Some(legacy) = self.get::<PoolLeases>(&scope.legacy_key()).await? else {
                 return Ok(());
             };
+            let unchanged = || Op::Check { key: scope.legacy_key(), precondition: Precondition::Revision(legacy.revision) };
             let now = meta::now();
             let held: Vec<&Lease> = legacy.object.leases.iter().filter(|l| l.expires_at > now).collect();
-            let mut ops = vec![
+            // In parts small enough for one etcd transaction, each only while the one key is
+            // as read: once another replica has split it, nothing here lands.
+            for part in held.chunks(MAX_OPS_PER_WRITE) {
+                let mut ops: Vec<Op> = part
+                    .iter()
+                    .map(|l| Op::Put { key: scope.lease_key(&l.machine), value: encode(l), precondition: Precondition::None })
+                    .collect();
+                ops.push(unchanged());
+                match self.store.txn(ops).await {
+                    Ok(_) => {}
+                    Err(StoreError::Conflict { .. }) => continue 'attempt,
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            let ops = vec![
                 Op::Delete { key: scope.legacy_key(), precondition: Precondition::Revision(legacy.revision) },
                 Op::Put { key: scope.budget_key(), value: encode(&Budget { held: held.len() }), precondition: Precondition::None },
             ];
-            ops.extend(held.iter().map(|l| Op::Put {
-                key: scope.lease_key(&l.machine),
-                value: encode(l),
-                precondition: Precondition::None,
-            }));
             match self.store.txn(ops).await {
                 Ok(_) => {
                     tracing::info!(scope = scope.name, leases = held.len(), "split the scope's disruption leases into one key each");
@@ -202,6 +215,18 @@ impl Registry {
                 let lease = Lease { expires_at, ..mine.object.clone() };
                 let op = Op::Put { key: scope.lease_key(name), value: encode(&lease), precondition: Precondition::Revision(mine.revision) };
                 (lease, vec![op])
+            } else if expired.len() > MAX_OPS_PER_WRITE {
+                // More expired leases than one grant can delete (its holders died together):
+                // delete some, each at the revision read so that none is renewed meanwhile.
+                let ops = expired
+                    .iter()
+                    .take(MAX_OPS_PER_WRITE)
+                    .map(|l| Op::Delete { key: scope.lease_key(&l.object.machine), precondition: Precondition::Revision(l.revision) })
+                    .collect();
+                match self.store.txn(ops).await {
+                    Ok(_) | Err(StoreError::Conflict { .. }) => continue,
+                    Err(e) => return Err(e.into()),
+                }
             } else if !keelson_api::window::any_open(&scope.windows, now) {
                 let message = format!("outside the maintenance windows ({})", keelson_api::window::describe(&scope.windows));
                 return Ok(Decision::Wait { message });
@@ -417,6 +442,41 @@ mod tests {
         assert_eq!(registry.update_lease(&name("a"), "0a", Some(60)).await?.map(|l| l.id), Some("0a".into()));
         assert_eq!(registry.update_lease(&name("a"), "0a", None).await?, None);
         granted(ask(&registry, "c").await?);
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn many_leases_move_in_transactions_etcd_takes() -> R {
+        let dir = tempfile::tempdir()?;
+        let store = fleet(&dir, 1, &["a", "b"]).await?;
+        let registry = registry(&dir, &store)?;
+        let now = meta::now();
+        let lease = |i: usize, expires_in: i64| Lease {
+            id: format!("{i:04}"),
+            machine: name(&format!("gone-{i}")),
+            reason: "reboot".into(),
+            granted_at: now,
+            expires_at: now + time::Duration::seconds(expires_in),
+        };
+        // 130 holders died together: a grant deletes them 50 at a time, then grants.
+        for i in 0..130 {
+            store.put(&format!("/leases/web/gone-{i}"), encode(&lease(i, -1)), Precondition::Absent).await?;
+        }
+        let before = store.revision();
+        granted(ask(&registry, "a").await?);
+        // Two deletions of 50, the grant with the last 30, and the machine's event.
+        assert_eq!(store.revision(), before + 4);
+        assert_eq!(store.list("/leases/web/").await?.entries.iter().map(|e| e.key.as_str()).collect::<Vec<_>>(), ["/leases/web/a"]);
+
+        // 130 live leases in the one-key layout are split in parts of 50.
+        let legacy = PoolLeases { leases: (0..130).map(|i| lease(i, 60)).collect() };
+        store.put("/leases/other", encode(&legacy), Precondition::Absent).await?;
+        let scope = Scope { name: "other".into(), budget: 1, down: Vec::new(), windows: Vec::new() };
+        let before = store.revision();
+        registry.split_legacy_leases(&scope).await?;
+        assert_eq!(store.revision(), before + 4, "three parts and the last step");
+        assert!(store.get("/leases/other").await?.is_none());
+        assert_eq!(store.list("/leases/other/").await?.entries.len(), 130);
         Ok(())
     }
 
