@@ -3,10 +3,11 @@
 
 use serde::de::DeserializeOwned;
 
+use crate::cluster::KubernetesCluster;
 use crate::machine::Machine;
 use crate::pool::MachinePool;
 use crate::token::BootstrapToken;
-use crate::validate::{ValidationError, validate_machine, validate_pool};
+use crate::validate::{ValidationError, validate_cluster, validate_machine, validate_pool};
 
 /// Any keelson resource, as read from a file or a request.
 #[derive(Debug, Clone, PartialEq)]
@@ -14,6 +15,7 @@ pub enum Resource {
     Machine(Box<Machine>),
     MachinePool(Box<MachinePool>),
     BootstrapToken(Box<BootstrapToken>),
+    KubernetesCluster(Box<KubernetesCluster>),
 }
 
 impl Resource {
@@ -22,6 +24,7 @@ impl Resource {
             Resource::Machine(_) => crate::KIND_MACHINE,
             Resource::MachinePool(_) => crate::KIND_POOL,
             Resource::BootstrapToken(_) => crate::KIND_TOKEN,
+            Resource::KubernetesCluster(_) => crate::KIND_CLUSTER,
         }
     }
     pub fn name(&self) -> &str {
@@ -29,6 +32,7 @@ impl Resource {
             Resource::Machine(m) => m.metadata.name_str(),
             Resource::MachinePool(p) => p.metadata.name_str(),
             Resource::BootstrapToken(t) => t.metadata.name_str(),
+            Resource::KubernetesCluster(c) => c.metadata.name_str(),
         }
     }
 }
@@ -80,9 +84,15 @@ pub fn resource_from_value(value: serde_json::Value) -> Result<Resource, Validat
             Ok(Resource::MachinePool(Box::new(p)))
         }
         Some(crate::KIND_TOKEN) => Ok(Resource::BootstrapToken(Box::new(from_value(value)?))),
-        Some(other) => {
-            Err(ValidationError::single("kind", format!("{other:?} is not a keelson kind (Machine, MachinePool, BootstrapToken)")))
+        Some(crate::KIND_CLUSTER) => {
+            let c: KubernetesCluster = from_value(value)?;
+            validate_cluster(&c)?;
+            Ok(Resource::KubernetesCluster(Box::new(c)))
         }
+        Some(other) => Err(ValidationError::single(
+            "kind",
+            format!("{other:?} is not a keelson kind (Machine, MachinePool, BootstrapToken, KubernetesCluster)"),
+        )),
         None => Err(ValidationError::single("kind", "is required")),
     }
 }

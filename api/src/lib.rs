@@ -1,7 +1,8 @@
-//! keelson's resource model: Machine, MachinePool and BootstrapToken in the API group
+//! keelson's resource model: Machine, MachinePool, BootstrapToken and KubernetesCluster in the API group
 //! `keelson.io/v1alpha1`, their validation, typed versions, and the agent protocol's messages.
 //! No I/O happens here.
 
+pub mod cluster;
 pub mod config;
 pub mod decode;
 pub mod machine;
@@ -19,6 +20,7 @@ pub use meta::API_VERSION;
 pub const KIND_MACHINE: &str = "Machine";
 pub const KIND_POOL: &str = "MachinePool";
 pub const KIND_TOKEN: &str = "BootstrapToken";
+pub const KIND_CLUSTER: &str = "KubernetesCluster";
 
 /// An error with all its causes, for one-line messages: reqwest's and rustls's own Display
 /// hides the part that tells an operator what happened ("connection refused", "unknown CA").

@@ -32,6 +32,16 @@ pub struct PoolSpec {
     /// agents), picked by `deletion.order`. Unset: every matching machine stays.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replicas: Option<u32>,
+    /// The Kubernetes cluster whose nodes the pool's machines are.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kubernetes: Option<PoolKubernetes>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PoolKubernetes {
+    /// A registered KubernetesCluster.
+    pub cluster: Name,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

@@ -4,6 +4,7 @@
 use std::collections::BTreeSet;
 use std::fmt;
 
+use crate::cluster::{ClusterAccess, KubernetesCluster, read_kubeconfig};
 use crate::machine::{Machine, MachineSpec, Role, Source};
 use crate::meta::{Name, ObjectMeta};
 use crate::pool::MachinePool;
@@ -105,6 +106,20 @@ pub fn validate_machine(m: &Machine) -> Result<(), ValidationError> {
     check_meta(&mut errors, &m.metadata);
     check_spec(&mut errors, "spec", &m.spec);
     errors.finish()
+}
+
+/// A cluster's type, name and kubeconfig; what the kubeconfig gives access to.
+pub fn validate_cluster(c: &KubernetesCluster) -> Result<ClusterAccess, ValidationError> {
+    let mut errors = Errors::default();
+    check_type(&mut errors, &c.api_version, &c.kind, crate::KIND_CLUSTER);
+    check_meta(&mut errors, &c.metadata);
+    match read_kubeconfig(&c.spec.kubeconfig, c.spec.context.as_deref()) {
+        Ok(access) => errors.finish().map(|()| access),
+        Err(e) => {
+            errors.0.extend(e.0);
+            Err(ValidationError(errors.0))
+        }
+    }
 }
 
 pub fn validate_pool(p: &MachinePool) -> Result<(), ValidationError> {
