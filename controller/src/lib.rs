@@ -1,8 +1,9 @@
-//! keelson-controller: the fleet's source of truth. It keeps Machines, MachinePools and
-//! BootstrapTokens in its store, enrolls machines with mTLS identities, serves each agent its
+//! keelson-controller: the fleet's source of truth. It keeps Machines, MachinePools,
+//! BootstrapTokens and KubernetesClusters in its store, enrolls machines with mTLS identities, serves each agent its
 //! spec and records its status, and watches for machines that fall silent.
 
 mod census;
+pub mod clusters;
 pub mod error;
 pub mod etcd_pki;
 pub mod http;

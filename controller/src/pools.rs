@@ -204,6 +204,7 @@ impl Registry {
                 precondition: Precondition::None,
             });
         }
+        ops.extend(self.cluster_link(&pool).await?);
         match self.store.txn(ops).await {
             Ok(revision) => Ok(Some((Versioned { object: pool, revision }, new_revision))),
             // Created by someone else meanwhile, or changed by the rollout pass.

@@ -156,6 +156,12 @@ impl HasMeta for BootstrapToken {
     }
 }
 
+impl HasMeta for keelson_api::cluster::KubernetesCluster {
+    fn meta_mut(&mut self) -> &mut meta::ObjectMeta {
+        &mut self.metadata
+    }
+}
+
 impl<T: HasMeta> Versioned<T> {
     pub fn stamped(mut self) -> T {
         self.object.meta_mut().resource_version = Some(self.revision.to_string());

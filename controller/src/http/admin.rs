@@ -7,16 +7,18 @@ use axum::body::Body;
 use axum::extract::{Path, Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use keelson_api::cluster::KubernetesCluster;
 use keelson_api::machine::Machine;
 use keelson_api::meta::Name;
 use keelson_api::pool::{MachinePool, PoolRevision};
 use keelson_api::token::BootstrapToken;
-use keelson_api::validate::{parse_name, validate_machine, validate_pool};
+use keelson_api::validate::{parse_name, validate_cluster, validate_machine, validate_pool};
 use keelson_api::wire::{Event, List, TokenCreated, TokenRequest, WatchEvent};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 
 use super::{App, JsonBody, PeerExt, require_admin};
+use crate::clusters::{CLUSTERS, redacted};
 use crate::error::ApiError;
 use crate::registry::{Deletion, HasMeta, MACHINES, POOLS, StoredToken, TOKENS, Versioned};
 use crate::store::Entry;
@@ -219,6 +221,50 @@ pub async fn put_pool(
 pub async fn delete_pool(State(app): State<Arc<App>>, peer: PeerExt, Path(name): Path<String>) -> ApiResult<StatusCode> {
     require_admin(&peer)?;
     app.registry.delete_pool(&path_name(&name)?).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+// ---- Kubernetes clusters: answers never carry the kubeconfig (crate::clusters)
+
+fn cluster_resource(v: Versioned<KubernetesCluster>) -> KubernetesCluster {
+    redacted(v.stamped())
+}
+
+pub async fn list_clusters(State(app): State<Arc<App>>, peer: PeerExt) -> ApiResult<Json<List<KubernetesCluster>>> {
+    require_admin(&peer)?;
+    let (items, revision) = app.registry.list::<KubernetesCluster>(CLUSTERS).await?;
+    Ok(Json(List { items: items.into_iter().map(cluster_resource).collect(), resource_version: revision.to_string() }))
+}
+
+pub async fn get_cluster(State(app): State<Arc<App>>, peer: PeerExt, Path(name): Path<String>) -> ApiResult<Json<KubernetesCluster>> {
+    require_admin(&peer)?;
+    Ok(Json(cluster_resource(app.registry.cluster(path_name(&name)?.as_str()).await?)))
+}
+
+pub async fn create_cluster(State(app): State<Arc<App>>, peer: PeerExt, JsonBody(c): JsonBody<KubernetesCluster>) -> ApiResult<Response> {
+    require_admin(&peer)?;
+    validate_cluster(&c)?;
+    let name = c.metadata.name_str().to_owned();
+    if app.registry.get::<KubernetesCluster>(&format!("{CLUSTERS}{name}")).await?.is_some() {
+        return Err(ApiError::Conflict(format!("cluster {name} already exists")));
+    }
+    Ok((StatusCode::CREATED, Json(cluster_resource(app.registry.apply_cluster(c).await?))).into_response())
+}
+
+pub async fn put_cluster(
+    State(app): State<Arc<App>>,
+    peer: PeerExt,
+    Path(name): Path<String>,
+    JsonBody(mut c): JsonBody<KubernetesCluster>,
+) -> ApiResult<Json<KubernetesCluster>> {
+    require_admin(&peer)?;
+    reconcile_name(&path_name(&name)?, &mut c.metadata)?;
+    Ok(Json(cluster_resource(app.registry.apply_cluster(c).await?)))
+}
+
+pub async fn delete_cluster(State(app): State<Arc<App>>, peer: PeerExt, Path(name): Path<String>) -> ApiResult<StatusCode> {
+    require_admin(&peer)?;
+    app.registry.delete_cluster(&path_name(&name)?).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

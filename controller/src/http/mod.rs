@@ -77,6 +77,8 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/pools/{name}/rollout/undo", post(admin::undo_pool))
         .route("/v1/pools/{name}/rollout/pause", post(admin::pause_pool))
         .route("/v1/pools/{name}/rollout/resume", post(admin::resume_pool))
+        .route("/v1/clusters", get(admin::list_clusters).post(admin::create_cluster))
+        .route("/v1/clusters/{name}", get(admin::get_cluster).put(admin::put_cluster).delete(admin::delete_cluster))
         .route("/v1/tokens", get(admin::list_tokens).post(admin::create_token))
         .route("/v1/tokens/{name}", get(admin::get_token).delete(admin::delete_token))
         .route_layer(axum::middleware::from_fn_with_state(app.clone(), track));
