@@ -10,11 +10,12 @@ use std::process::ExitCode;
 
 use anyhow::{Context, anyhow, bail};
 use clap::{Parser, Subcommand, ValueEnum};
+use keelson_api::cluster::{ClusterSpec, KubernetesCluster};
 use keelson_api::decode::{Resource, resources_from_text};
 use keelson_api::machine::Machine;
 use keelson_api::pool::{MachinePool, PoolRevision};
 use keelson_api::token::BootstrapToken;
-use keelson_api::validate::parse_name;
+use keelson_api::validate::{parse_name, validate_cluster};
 use keelson_api::wire::{Event, List, TokenCreated, TokenRequest};
 use reqwest::Method;
 
@@ -59,6 +60,11 @@ enum Command {
         /// Also for a machine already being deleted whose removal was refused.
         #[arg(long, conflicts_with = "force")]
         force_etcd_leave: bool,
+    },
+    /// Kubernetes clusters whose nodes are keelson machines.
+    Cluster {
+        #[command(subcommand)]
+        command: ClusterCommand,
     },
     /// Bootstrap tokens.
     Token {
@@ -201,6 +207,20 @@ async fn rollout(command: &RolloutCommand, connect: impl Fn() -> anyhow::Result<
 }
 
 #[derive(Subcommand)]
+enum ClusterCommand {
+    /// Register a cluster, or replace its kubeconfig. The kubeconfig must embed its CA and
+    /// credentials (`kubectl config view --raw --flatten`); it stays on the controller.
+    Register {
+        name: String,
+        #[arg(long)]
+        kubeconfig: PathBuf,
+        /// The kubeconfig context to use; its current-context by default.
+        #[arg(long)]
+        context: Option<String>,
+    },
+}
+
+#[derive(Subcommand)]
 enum TokenCommand {
     /// Create a token; the whole token is shown this once.
     Create {
@@ -231,6 +251,8 @@ enum Kind {
     Pools,
     #[value(alias = "token")]
     Tokens,
+    #[value(alias = "cluster")]
+    Clusters,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -244,8 +266,19 @@ impl Kind {
             Kind::Machines => "/v1/machines",
             Kind::Pools => "/v1/pools",
             Kind::Tokens => "/v1/tokens",
+            Kind::Clusters => "/v1/clusters",
         }
     }
+}
+
+async fn apply_cluster(client: &Client, cluster: &KubernetesCluster) -> anyhow::Result<()> {
+    let name = cluster.metadata.name_str();
+    let stored: KubernetesCluster =
+        client.call(Method::PUT, &format!("/v1/clusters/{name}"), Some(cluster)).await.map_err(|e| anyhow!("cluster/{name}: {e}"))?;
+    let server = stored.status.server.as_deref().unwrap_or("?");
+    let credential = stored.status.credential.as_deref().unwrap_or("?");
+    println!("cluster/{name} applied ({server}, {credential})");
+    Ok(())
 }
 
 fn parse_ttl(text: &str) -> anyhow::Result<u64> {
@@ -313,6 +346,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                             .map_err(|e| anyhow!("pool/{name}: {e}"))?;
                         println!("pool/{name} applied (revision {})", stored.status.revision);
                     }
+                    Resource::KubernetesCluster(c) => apply_cluster(&client, &c).await?,
                     Resource::BootstrapToken(_) => unreachable!("refused above"),
                 }
             }
@@ -332,6 +366,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 Kind::Tokens => {
                     render::<BootstrapToken>(&client, &path, name.is_some(), output, |items, _| output::tokens_table(items)).await?
                 }
+                Kind::Clusters => {
+                    render::<KubernetesCluster>(&client, &path, name.is_some(), output, |items, _| output::clusters_table(items)).await?
+                }
             };
             print!("{text}");
         }
@@ -348,6 +385,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 Kind::Machines => "machine",
                 Kind::Pools => "pool",
                 Kind::Tokens => "token",
+                Kind::Clusters => "cluster",
             };
             if (force || force_etcd_leave) && !matches!(kind, Kind::Machines) {
                 bail!("--force and --force-etcd-leave apply to machines only");
@@ -364,6 +402,21 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             } else {
                 println!("{what}/{name} deleted");
             }
+        }
+        Command::Cluster { command: ClusterCommand::Register { ref name, ref kubeconfig, ref context } } => {
+            let name = parse_name("NAME", name)?;
+            let text = std::fs::read_to_string(kubeconfig).with_context(|| format!("reading {}", kubeconfig.display()))?;
+            let cluster = KubernetesCluster {
+                api_version: keelson_api::API_VERSION.to_owned(),
+                kind: keelson_api::KIND_CLUSTER.to_owned(),
+                metadata: keelson_api::meta::ObjectMeta { name: Some(name), ..Default::default() },
+                spec: ClusterSpec { kubeconfig: text, context: context.clone() },
+                status: Default::default(),
+            };
+            // Checked here first, so that a kubeconfig the controller would refuse never
+            // leaves this machine.
+            validate_cluster(&cluster).map_err(|e| anyhow!("{}: {e}", kubeconfig.display()))?;
+            apply_cluster(&connect()?, &cluster).await?;
         }
         Command::Token { command: TokenCommand::Create { ref ttl, usages, ref labels, allow_reenroll, ref description, output } } => {
             let request = TokenRequest {

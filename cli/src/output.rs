@@ -2,6 +2,7 @@
 
 use comfy_table::presets::NOTHING;
 use comfy_table::{Cell, Table};
+use keelson_api::cluster::KubernetesCluster;
 use keelson_api::machine::Machine;
 use keelson_api::meta::{ConditionStatus, Timestamp, condition, find_condition};
 use keelson_api::pool::{MachinePool, PoolEtcdStatus, PoolRevision};
@@ -183,6 +184,21 @@ pub fn tokens_table(tokens: &[BootstrapToken]) -> String {
             tok.spec.allow_reenroll.to_string(),
             tok.spec.labels.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(","),
             tok.spec.description.clone(),
+        ]);
+    }
+    t.to_string() + "\n"
+}
+
+pub fn clusters_table(clusters: &[KubernetesCluster]) -> String {
+    let mut t = table(&["NAME", "SERVER", "CONTEXT", "CREDENTIAL", "AGE"]);
+    for c in clusters {
+        let field = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
+        t.add_row(vec![
+            c.metadata.name_str().to_owned(),
+            field(&c.status.server),
+            field(&c.status.context),
+            field(&c.status.credential),
+            age(c.metadata.creation_timestamp),
         ]);
     }
     t.to_string() + "\n"
