@@ -188,6 +188,11 @@ pub mod condition {
     pub const UPDATING: &str = "Updating";
     pub const DEGRADED: &str = "Degraded";
     pub const REACHABLE: &str = "Reachable";
+    /// Machine, set by the controller: whether the machine's Kubernetes node is cordoned and
+    /// emptied of the pods a drain moves, and while it is not, what is still in the way.
+    pub const DRAINED: &str = "Drained";
+    /// The conditions the controller sets on a machine; an agent's report never changes them.
+    pub const SET_BY_CONTROLLER: &[&str] = &[REACHABLE, DRAINED];
     /// Pool: the rollout stopped because too many machines of the current revision failed.
     pub const ROLLOUT_HALTED: &str = "RolloutHalted";
     /// Pool: every member runs the current revision, converged.
@@ -204,6 +209,12 @@ pub mod annotation {
     /// that costs the cluster its quorum or its last member. Set by `keelson delete machine
     /// NAME --force-etcd-leave`.
     pub const FORCE_ETCD_LEAVE: &str = "keelson.io/force-etcd-leave";
+    /// On a machine: the name of its Kubernetes node, when it is not the machine's hostname
+    /// (`kubelet --hostname-override`).
+    pub const NODE_NAME: &str = "keelson.io/node-name";
+    /// On a Kubernetes pod, `"true"`: a drain leaves the pod where it is (it goes down with
+    /// its node), as it leaves DaemonSet and mirror pods.
+    pub const EXCLUDE_FROM_DRAIN: &str = "keelson.io/exclude-from-drain";
 }
 
 /// Finds a condition by type.

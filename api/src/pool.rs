@@ -42,6 +42,41 @@ pub struct PoolSpec {
 pub struct PoolKubernetes {
     /// A registered KubernetesCluster.
     pub cluster: Name,
+    /// When set, the controller drains a machine's node before its agent disrupts it and
+    /// brings the node back after. Unset: nodes are not touched (for operators who drain
+    /// by other means, or run workloads that tolerate a restart in place).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drain: Option<DrainSpec>,
+}
+
+/// How a pool's nodes are drained (DESIGN.md, "Kubernetes nodes").
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DrainSpec {
+    /// How long evictions may take before the drain gives up: the node is uncordoned, the
+    /// disruption is not granted, and the machine's `Drained` condition names what stayed.
+    #[serde(default = "default_drain_timeout")]
+    pub timeout_seconds: u64,
+    /// How long a machine whose drain gave up waits before its node is drained again.
+    #[serde(default = "default_drain_retry")]
+    pub retry_after_seconds: u64,
+}
+
+pub const MIN_DRAIN_SECONDS: u64 = 10;
+pub const MAX_DRAIN_SECONDS: u64 = 24 * 3600;
+
+fn default_drain_timeout() -> u64 {
+    600
+}
+
+fn default_drain_retry() -> u64 {
+    300
+}
+
+impl Default for DrainSpec {
+    fn default() -> Self {
+        DrainSpec { timeout_seconds: default_drain_timeout(), retry_after_seconds: default_drain_retry() }
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

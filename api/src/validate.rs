@@ -168,6 +168,14 @@ pub fn validate_pool(p: &MachinePool) -> Result<(), ValidationError> {
     if p.spec.template.spec.roles.contains(&Role::Etcd) && p.spec.rollout.max_unavailable != crate::pool::IntOrPercent::Int(1) {
         errors.add("spec.rollout.maxUnavailable", "must be 1 for a pool with role etcd (one member at a time)");
     }
+    if let Some(drain) = p.spec.kubernetes.as_ref().and_then(|k| k.drain.as_ref()) {
+        let range = crate::pool::MIN_DRAIN_SECONDS..=crate::pool::MAX_DRAIN_SECONDS;
+        for (field, value) in [("timeoutSeconds", drain.timeout_seconds), ("retryAfterSeconds", drain.retry_after_seconds)] {
+            if !range.contains(&value) {
+                errors.add(format!("spec.kubernetes.drain.{field}"), format!("must be between {} and {}", range.start(), range.end()));
+            }
+        }
+    }
     check_spec(&mut errors, "spec.template.spec", &p.spec.template.spec);
     errors.finish()
 }

@@ -21,10 +21,6 @@ use crate::store::{Op, Precondition, StoreError};
 
 pub const CLUSTERS: &str = "/clusters/";
 
-/// The annotation that names a machine's Kubernetes node when it is not the machine's
-/// hostname (`kubelet --hostname-override`).
-pub const NODE_NAME_ANNOTATION: &str = "keelson.io/node-name";
-
 /// A cluster as answered: without its kubeconfig.
 pub fn redacted(mut cluster: KubernetesCluster) -> KubernetesCluster {
     cluster.spec.kubeconfig.clear();
@@ -34,7 +30,7 @@ pub fn redacted(mut cluster: KubernetesCluster) -> KubernetesCluster {
 /// The name of a machine's Kubernetes node: the annotation when set, else the hostname its
 /// agent reported (lowercased, as the kubelet registers it). `None` before the first report.
 pub fn node_name(machine: &Machine) -> Option<String> {
-    if let Some(name) = machine.metadata.annotations.get(NODE_NAME_ANNOTATION) {
+    if let Some(name) = machine.metadata.annotations.get(keelson_api::meta::annotation::NODE_NAME) {
         return Some(name.clone());
     }
     let hostname = machine.status.facts.as_ref()?.hostname.as_deref()?.trim();

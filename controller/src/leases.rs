@@ -20,10 +20,11 @@
 use std::collections::HashSet;
 
 use keelson_api::meta::{self, Name, Timestamp};
-use keelson_api::pool::MachinePool;
+use keelson_api::pool::{DrainSpec, MachinePool};
 use keelson_api::window::MaintenanceWindow;
 use serde::{Deserialize, Serialize};
 
+use crate::drain::{Drain, DrainPhase, drain_key};
 use crate::error::ApiError;
 use crate::registry::{CAS_ATTEMPTS, POOLS, Registry, Versioned, decode, encode, owning_pool};
 use crate::store::{Op, Precondition, StoreError};
@@ -80,6 +81,17 @@ struct Scope {
     /// The scope's other members that are unavailable already.
     down: Vec<Name>,
     windows: Vec<MaintenanceWindow>,
+    /// When the pool drains its machines' Kubernetes nodes (crate::drain).
+    drain: Option<DrainPlan>,
+}
+
+/// What a grant in a draining pool needs to start a drain.
+#[derive(Debug)]
+struct DrainPlan {
+    cluster: Name,
+    spec: DrainSpec,
+    /// The machine's node; `None` while the machine has not said its hostname.
+    node: Option<String>,
 }
 
 impl Scope {
@@ -131,7 +143,7 @@ impl Registry {
         let machine = self.machine(name.as_str()).await?;
         let (pools, _) = self.list::<MachinePool>(POOLS).await?;
         let Some(pool) = owning_pool(&pools, &machine.object.metadata.labels) else {
-            return Ok(Scope { name: format!("-{name}"), budget: 1, down: Vec::new(), windows: Vec::new() });
+            return Ok(Scope { name: format!("-{name}"), budget: 1, down: Vec::new(), windows: Vec::new(), drain: None });
         };
         let (members, down) = {
             let mut census = self.census.lock().unwrap_or_else(|e| e.into_inner());
@@ -146,6 +158,10 @@ impl Registry {
             budget: pool.spec.rollout.max_unavailable.resolve(members),
             down,
             windows: pool.spec.rollout.maintenance_windows.clone(),
+            drain: pool.spec.kubernetes.as_ref().and_then(|k| {
+                let spec = k.drain.clone()?;
+                Some(DrainPlan { cluster: k.cluster.clone(), spec, node: crate::clusters::node_name(&machine.object) })
+            }),
         })
     }
 
@@ -206,11 +222,17 @@ impl Registry {
                 None => Precondition::Absent,
             };
             let (leases, _) = self.list::<Lease>(&scope.prefix()).await?;
+            let drain = self.get::<Drain>(&drain_key(name)).await?;
+            let mut draining = None;
             let now = meta::now();
             let expires_at = now + time::Duration::seconds(ttl_secs as i64);
             let (held, expired): (Vec<&Versioned<Lease>>, Vec<&Versioned<Lease>>) = leases.iter().partition(|l| l.object.expires_at > now);
 
             let (lease, ops) = if let Some(mine) = held.iter().find(|l| &l.object.machine == name) {
+                // Its node is being drained (or brought back) for it: not yet.
+                if let Some(d) = drain.as_ref().filter(|d| d.object.lease == mine.object.id && d.object.phase != DrainPhase::Drained) {
+                    return Ok(Decision::Wait { message: d.object.waiting() });
+                }
                 // A machine asking again while it holds a lease gets the same one, renewed.
                 let lease = Lease { expires_at, ..mine.object.clone() };
                 let op = Op::Put { key: scope.lease_key(name), value: encode(&lease), precondition: Precondition::Revision(mine.revision) };
@@ -227,6 +249,11 @@ impl Registry {
                     Ok(_) | Err(StoreError::Conflict { .. }) => continue,
                     Err(e) => return Err(e.into()),
                 }
+            } else if let Some(d) = drain
+                .as_ref()
+                .filter(|d| scope.drain.is_some() && d.object.phase == DrainPhase::Failed && d.object.retry_at.is_some_and(|t| t > now))
+            {
+                return Ok(Decision::Wait { message: d.object.waiting() });
             } else if !keelson_api::window::any_open(&scope.windows, now) {
                 let message = format!("outside the maintenance windows ({})", keelson_api::window::describe(&scope.windows));
                 return Ok(Decision::Wait { message });
@@ -247,9 +274,27 @@ impl Registry {
                 );
                 let precondition = mine_expired.map_or(Precondition::Absent, Precondition::Revision);
                 ops.push(Op::Put { key: scope.lease_key(name), value: encode(&lease), precondition });
+                if let Some(plan) = &scope.drain {
+                    match self.drain_for(plan, &scope, &lease, ttl_secs, drain.as_ref()).await? {
+                        Ok((record, drain_ops)) => {
+                            ops.extend(drain_ops);
+                            draining = Some(record);
+                        }
+                        Err(message) => return Ok(Decision::Wait { message }),
+                    }
+                }
                 (lease, ops)
             };
             match self.store.txn(ops).await {
+                Ok(_) if draining.is_some() => {
+                    drop(one_at_a_time);
+                    let record = draining.unwrap_or_else(|| unreachable!());
+                    let message =
+                        format!("lease {} for {reason}; draining node {} of cluster {} first", lease.id, record.node, record.cluster);
+                    self.record_event(name.as_str(), "Normal", "DrainStarted", &message, "controller").await?;
+                    self.drain_wake.notify_one();
+                    return Ok(Decision::Wait { message: record.waiting() });
+                }
                 Ok(_) => {
                     drop(one_at_a_time);
                     self.record_event(
@@ -269,6 +314,55 @@ impl Registry {
         Err(ApiError::Conflict("leases are changing too often; try again".into()))
     }
 
+    /// The drain a new lease in a draining pool starts, and the writes that store it with the
+    /// grant; Err with why no lease can be granted yet.
+    async fn drain_for(
+        &self,
+        plan: &DrainPlan,
+        scope: &Scope,
+        lease: &Lease,
+        ttl_secs: u64,
+        previous: Option<&Versioned<Drain>>,
+    ) -> Result<Result<(Drain, Vec<Op>), String>, ApiError> {
+        let cluster_key = format!("{}{}", crate::clusters::CLUSTERS, plan.cluster);
+        if self.store.get(&cluster_key).await?.is_none() {
+            return Ok(Err(format!(
+                "pool {} drains nodes of cluster {}, which is not registered (keelson cluster register {} --kubeconfig FILE)",
+                scope.name, plan.cluster, plan.cluster
+            )));
+        }
+        let Some(node) = plan.node.clone() else {
+            return Ok(Err(format!(
+                "the machine's Kubernetes node is not known yet: its agent has not reported a hostname (or set annotation {})",
+                keelson_api::meta::annotation::NODE_NAME
+            )));
+        };
+        // A node an earlier drain cordoned and has not uncordoned yet is still ours to uncordon.
+        let cordoned_before =
+            previous.filter(|p| p.object.phase != DrainPhase::Failed && p.object.node == node).and_then(|p| p.object.cordoned_before);
+        let record = Drain {
+            machine: lease.machine.clone(),
+            lease: lease.id.clone(),
+            lease_key: scope.lease_key(&lease.machine),
+            ttl_seconds: ttl_secs,
+            cluster: plan.cluster.clone(),
+            node,
+            phase: DrainPhase::Draining,
+            started_at: lease.granted_at,
+            timeout_seconds: plan.spec.timeout_seconds,
+            retry_after_seconds: plan.spec.retry_after_seconds,
+            cordoned_before,
+            message: String::new(),
+            retry_at: None,
+        };
+        let precondition = previous.map_or(Precondition::Absent, |p| Precondition::Revision(p.revision));
+        let ops = vec![
+            Op::Put { key: drain_key(&lease.machine), value: encode(&record), precondition },
+            Op::Check { key: cluster_key, precondition: Precondition::Exists },
+        ];
+        Ok(Ok((record, ops)))
+    }
+
     /// Renews (`ttl_secs` Some) or releases (None) a machine's lease. Only the lease's own
     /// key changes: a release frees its slot for the next grant, and a renewal of a lease a
     /// grant has just counted as expired (and deleted) fails.
@@ -286,6 +380,31 @@ impl Registry {
                 return Err(ApiError::NotFound(format!("lease {id} of {name} not found (expired or released)")));
             };
             let precondition = Precondition::Revision(current.revision);
+            // Released after a drain: the lease stays held until the node is back.
+            let drain = match ttl_secs {
+                None => self
+                    .get::<Drain>(&drain_key(name))
+                    .await?
+                    .filter(|d| d.object.lease == id && matches!(d.object.phase, DrainPhase::Draining | DrainPhase::Drained)),
+                Some(_) => None,
+            };
+            if let Some(d) = drain {
+                let record = Drain { phase: DrainPhase::Uncordoning, message: String::new(), ..d.object };
+                let ops = vec![
+                    Op::Put { key: drain_key(name), value: encode(&record), precondition: Precondition::Revision(d.revision) },
+                    Op::Check { key: key.clone(), precondition },
+                ];
+                match self.store.txn(ops).await {
+                    Ok(_) => {
+                        let message = format!("lease {id}; bringing node {} back before the lease is free", record.node);
+                        self.record_event(name.as_str(), "Normal", "DisruptionReleased", &message, "controller").await?;
+                        self.drain_wake.notify_one();
+                        return Ok(None);
+                    }
+                    Err(StoreError::Conflict { .. }) => continue,
+                    Err(e) => return Err(e.into()),
+                }
+            }
             let (op, result) = match ttl_secs {
                 Some(t) => {
                     let lease = Lease { expires_at: now + time::Duration::seconds(t as i64), ..current.object };
@@ -471,7 +590,7 @@ mod tests {
         // 130 live leases in the one-key layout are split in parts of 50.
         let legacy = PoolLeases { leases: (0..130).map(|i| lease(i, 60)).collect() };
         store.put("/leases/other", encode(&legacy), Precondition::Absent).await?;
-        let scope = Scope { name: "other".into(), budget: 1, down: Vec::new(), windows: Vec::new() };
+        let scope = Scope { name: "other".into(), budget: 1, down: Vec::new(), windows: Vec::new(), drain: None };
         let before = store.revision();
         registry.split_legacy_leases(&scope).await?;
         assert_eq!(store.revision(), before + 4, "three parts and the last step");

@@ -4,6 +4,7 @@
 
 mod census;
 pub mod clusters;
+pub mod drain;
 pub mod error;
 pub mod etcd_pki;
 pub mod http;

@@ -114,6 +114,8 @@ pub struct Registry {
     /// Woken when a pool member's progress changes (generation applied, Ready, Degraded,
     /// reachability), so rollouts move at once rather than at the next periodic pass.
     pub rollout_wake: tokio::sync::Notify,
+    /// Woken when a drain starts or its node is to be brought back (crate::drain).
+    pub drain_wake: tokio::sync::Notify,
     /// Whether this replica leads (crate::leader): only the leader runs rollout passes.
     leading: tokio::sync::watch::Receiver<bool>,
 }
@@ -194,14 +196,13 @@ fn apply_report(m: &mut Machine, report: &AgentStatus, now: Timestamp) -> Result
             format!("{} is newer than the machine's generation {}", report.observed_generation, m.metadata.generation),
         ));
     }
-    let reachable = meta::find_condition(&m.status.conditions, condition::REACHABLE).cloned();
+    let ours = |c: &meta::Condition| condition::SET_BY_CONTROLLER.contains(&c.type_.as_str());
+    let kept: Vec<meta::Condition> = m.status.conditions.iter().filter(|c| ours(c)).cloned().collect();
     // A machine being deleted stays Deleting whatever its agent last was doing.
     m.status.phase = if m.metadata.deletion_timestamp.is_some() { Some(Phase::Deleting) } else { report.phase };
     m.status.observed_generation = report.observed_generation;
-    m.status.conditions = report.conditions.iter().filter(|c| c.type_ != condition::REACHABLE).cloned().collect();
-    if let Some(r) = reachable {
-        m.status.conditions.push(r);
-    }
+    m.status.conditions = report.conditions.iter().filter(|c| !ours(c)).cloned().collect();
+    m.status.conditions.extend(kept);
     set_condition(&mut m.status.conditions, condition::REACHABLE, ConditionStatus::True, "Heartbeat", "", now);
     m.status.versions = report.versions.clone();
     if report.facts.is_some() {
@@ -242,6 +243,7 @@ impl Registry {
             lease_lock: tokio::sync::Mutex::new(()),
             census: std::sync::Mutex::new(crate::census::Census::default()),
             rollout_wake: tokio::sync::Notify::new(),
+            drain_wake: tokio::sync::Notify::new(),
         }
     }
 

@@ -172,7 +172,12 @@ pub async fn run(opts: ServeOptions, cancel: CancellationToken) -> anyhow::Resul
     let (reach, timeout) = (app.clone(), opts.unreachable_after);
     tasks.spawn(leader::while_leading(leading.clone(), cancel.clone(), move |term| reachability_loop(reach.clone(), timeout, term)));
     let (pools, period) = (app.clone(), opts.reconcile_interval);
-    tasks.spawn(leader::while_leading(leading, cancel.clone(), move |term| pool_loop(pools.clone(), period, term)));
+    tasks.spawn(leader::while_leading(leading.clone(), cancel.clone(), move |term| pool_loop(pools.clone(), period, term)));
+    // Drains started through another replica reach the leader's drainer this way.
+    let wake = app.clone();
+    tasks.spawn(follow_changes(store.clone(), crate::drain::DRAINS, move || wake.registry.drain_wake.notify_one(), cancel.clone()));
+    let drainer = crate::drain::Drainer::new(app.clone());
+    tasks.spawn(leader::while_leading(leading, cancel.clone(), move |term| drainer.clone().run(term)));
     tasks.spawn(http::server::serve(listener, tls, http::router(app.clone()), cancel.clone()));
     // Printed for operators and for tests that wait for the controller to come up.
     println!("keelson-controller listening on {}", server_url(&bound));

@@ -669,12 +669,15 @@ async fn delete_pod(State(app): State<Arc<App>>, Path((ns, name)): Path<(String,
 }
 
 async fn evict(State(app): State<Arc<App>>, Path((ns, name)): Path<(String, String)>, Json(eviction): Json<Value>) -> Response {
-    let api_version = eviction["apiVersion"].as_str().unwrap_or_default();
-    if !matches!(api_version, "policy/v1" | "policy/v1beta1") || eviction["kind"] != "Eviction" {
+    // A body without apiVersion and kind is taken as the subresource's own type, as a real
+    // server's decoder does (kube-rs sends only `metadata`); a wrong one is refused.
+    let api_version = eviction["apiVersion"].as_str().unwrap_or("policy/v1");
+    let kind = eviction["kind"].as_str().unwrap_or("Eviction");
+    if !matches!(api_version, "policy/v1" | "policy/v1beta1") || kind != "Eviction" {
         return status(
             StatusCode::BAD_REQUEST,
             "BadRequest",
-            &format!("not an Eviction: apiVersion {api_version:?}, kind {}", eviction["kind"]),
+            &format!("not an Eviction: apiVersion {api_version:?}, kind {kind:?}"),
             Value::Null,
         );
     }
