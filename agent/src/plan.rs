@@ -305,13 +305,17 @@ pub fn plan(spec: &MachineSpec, observed: &Observed, ctx: &Context) -> Result<Ve
     if let Some(k) = &spec.kubelet {
         let version = k.version.to_string();
         let binary_differs = observed.kubelet_version.as_deref() != Some(version.as_str());
+        // A machine without a kubelet runs no pods: its first kubelet disrupts nothing, and
+        // takes no lease (fresh machines of a pool, none Ready yet, would each count the others
+        // against the budget and wait for ever).
+        let kubelet_runs = observed.kubelet_version.is_some();
         if let Some(package) = &k.source.package {
             let name = package.to_string();
             let installed = observed.packages.get(&name);
             if binary_differs {
                 steps.push(Step {
                     description: format!("install kubelet {version} from package {name} and restart it"),
-                    disruptive: true,
+                    disruptive: kubelet_runs,
                     action: Action::Kubelet {
                         artifact: None,
                         version,
@@ -349,7 +353,7 @@ pub fn plan(spec: &MachineSpec, observed: &Observed, ctx: &Context) -> Result<Ve
                 };
                 steps.push(Step {
                     description,
-                    disruptive: true,
+                    disruptive: kubelet_runs,
                     action: Action::Kubelet {
                         artifact: binary_differs.then_some(sha256),
                         version,
@@ -845,6 +849,10 @@ mod tests {
         assert_eq!(shape, vec![(false, "fetch kubelet v1.31.0"), (true, "install kubelet v1.31.0 and restart it")]);
         let again = plan(&s, &apply_model(&o, &steps), &Context::default())?;
         assert!(again.is_empty(), "{again:?}");
+        // The first kubelet of a machine disrupts nothing.
+        let fresh = plan(&s, &machine(), &Context::default())?;
+        let shape: Vec<(bool, &str)> = fresh.iter().map(|s| (s.disruptive, s.description.as_str())).collect();
+        assert_eq!(shape, vec![(false, "fetch kubelet v1.31.0"), (false, "install kubelet v1.31.0 and restart it")]);
         Ok(())
     }
 
