@@ -63,6 +63,10 @@ pub struct ClusterStatus {
     /// `token` or `client certificate`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub credential: Option<String>,
+    /// The API server's version as the controller last read it (`GET /version`), which the
+    /// version skew policy holds kubelets to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server_version: Option<crate::version::KubeVersion>,
 }
 
 /// How the controller signs in to the API server.
@@ -105,6 +109,7 @@ impl ClusterAccess {
             context: Some(self.context.clone()),
             user: Some(self.user.clone()),
             credential: Some(self.credential.describe().to_owned()),
+            server_version: None,
         }
     }
 }

@@ -72,7 +72,12 @@ impl Registry {
                     (c, Precondition::Absent)
                 }
             };
-            let cluster = KubernetesCluster { status: access.status(), ..cluster };
+            // The API server's version stays known while the kubeconfig points at the same one.
+            let mut status = access.status();
+            if status.server == cluster.status.server {
+                status.server_version = cluster.status.server_version.clone();
+            }
+            let cluster = KubernetesCluster { status, ..cluster };
             match self.store.txn(vec![Op::Put { key: key.clone(), value: encode(&cluster), precondition }]).await {
                 Ok(revision) => return Ok(Versioned { object: cluster, revision }),
                 Err(StoreError::Conflict { .. }) => continue,
@@ -113,12 +118,160 @@ impl Registry {
     pub(crate) async fn cluster_link(&self, pool: &MachinePool) -> Result<Option<Op>, ApiError> {
         let Some(k) = &pool.spec.kubernetes else { return Ok(None) };
         let key = format!("{CLUSTERS}{}", k.cluster);
-        match self.store.get(&key).await? {
-            Some(_) => Ok(Some(Op::Check { key, precondition: Precondition::Exists })),
+        match self.get::<KubernetesCluster>(&key).await? {
+            Some(cluster) => {
+                self.check_skew(pool, &cluster.object).await?;
+                Ok(Some(Op::Check { key, precondition: Precondition::Exists }))
+            }
             None => Err(ApiError::invalid(
                 "spec.kubernetes.cluster",
                 format!("no cluster {} is registered (keelson cluster register {} --kubeconfig FILE)", k.cluster, k.cluster),
             )),
         }
+    }
+}
+
+impl Registry {
+    /// The version skew policy when a pool is applied: a kubelet newer than the API server is
+    /// refused unless a control-plane pool of the cluster is taking the server there (the
+    /// rollout then waits for it), and one more than three minors older is refused.
+    async fn check_skew(&self, pool: &MachinePool, cluster: &KubernetesCluster) -> Result<(), ApiError> {
+        let (Some(kubelet), Some(server)) = (&pool.spec.template.spec.kubelet, &cluster.status.server_version) else { return Ok(()) };
+        if is_control_plane(pool) {
+            return Ok(());
+        }
+        let name = cluster.metadata.name_str();
+        let (want, have) = ((kubelet.version.major(), kubelet.version.minor()), (server.major(), server.minor()));
+        const AT: &str = "spec.template.spec.kubelet.version";
+        if want.0 < have.0 || want.1 + 3 < have.1 {
+            return Err(ApiError::invalid(
+                AT,
+                format!("{} is more than three minor versions older than cluster {name}'s API server ({server})", kubelet.version),
+            ));
+        }
+        if want <= have {
+            return Ok(());
+        }
+        let (pools, _) = self.list::<MachinePool>(POOLS).await?;
+        let heading = control_plane_pools(pool, &pools)
+            .iter()
+            .filter_map(|p| p.spec.template.spec.kubelet.as_ref())
+            .any(|k| (k.version.major(), k.version.minor()) >= want);
+        if heading {
+            return Ok(());
+        }
+        Err(ApiError::invalid(
+            AT,
+            format!(
+                "{} would be newer than cluster {name}'s API server ({server}), and no control-plane pool of the cluster is \
+                 upgrading to it: upgrade the control plane first",
+                kubelet.version
+            ),
+        ))
+    }
+}
+
+/// The version skew policy for a pool of a cluster's nodes (DESIGN.md, "Kubernetes nodes"):
+/// why the pool's kubelet may not roll out now, if it may not. Control-plane pools upgrade the
+/// API server with their own kubelets, so only other pools are held to the server's version:
+/// a kubelet is never newer than the API server, nor more than three minors older.
+pub fn skew_hold(pool: &MachinePool, clusters: &[Versioned<KubernetesCluster>]) -> Option<String> {
+    let k = pool.spec.kubernetes.as_ref()?;
+    let kubelet = pool.spec.template.spec.kubelet.as_ref()?;
+    if is_control_plane(pool) {
+        return None;
+    }
+    let Some(cluster) = clusters.iter().find(|c| c.object.metadata.name.as_ref() == Some(&k.cluster)) else {
+        return Some(format!("cluster {} is not registered", k.cluster));
+    };
+    let Some(server) = &cluster.object.status.server_version else {
+        return Some(format!("waiting to read the version of cluster {}'s API server (kubelet version skew policy)", k.cluster));
+    };
+    let (want, have) = ((kubelet.version.major(), kubelet.version.minor()), (server.major(), server.minor()));
+    if want > have {
+        return Some(format!(
+            "kubelet {} would be newer than cluster {}'s API server ({server}): waiting for its control plane to be upgraded",
+            kubelet.version, k.cluster
+        ));
+    }
+    if want.0 < have.0 || want.1 + 3 < have.1 {
+        return Some(format!(
+            "kubelet {} would be more than three minor versions older than cluster {}'s API server ({server})",
+            kubelet.version, k.cluster
+        ));
+    }
+    None
+}
+
+pub fn is_control_plane(pool: &MachinePool) -> bool {
+    pool.spec.template.spec.roles.contains(&keelson_api::machine::Role::ControlPlane)
+}
+
+/// The control-plane pools of the cluster `pool` drains, which roll out before it (the pool
+/// itself when it is one: none).
+pub fn control_plane_pools<'a>(pool: &MachinePool, pools: &'a [Versioned<MachinePool>]) -> Vec<&'a MachinePool> {
+    let Some(k) = &pool.spec.kubernetes else { return Vec::new() };
+    if is_control_plane(pool) {
+        return Vec::new();
+    }
+    pools
+        .iter()
+        .map(|p| &p.object)
+        .filter(|p| is_control_plane(p) && p.spec.kubernetes.as_ref().is_some_and(|q| q.cluster == k.cluster))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn pool(name: &str, role: &str, kubelet: &str) -> Versioned<MachinePool> {
+        let object = serde_json::from_value(json!({"apiVersion": "keelson.io/v1alpha1", "kind": "MachinePool", "metadata": {"name": name},
+            "spec": {"selector": {"matchLabels": {"pool": name}}, "kubernetes": {"cluster": "prod"},
+                     "template": {"spec": {"roles": [role], "kubelet": {"version": kubelet, "source": {"package": "kubelet"}}}}}}))
+        .unwrap_or_else(|e| panic!("{e}"));
+        Versioned { object, revision: 1 }
+    }
+
+    fn cluster(server_version: Option<&str>) -> Versioned<KubernetesCluster> {
+        let mut status = json!({"server": "https://10.0.0.1:6443"});
+        if let Some(v) = server_version {
+            status["serverVersion"] = json!(v);
+        }
+        let object =
+            serde_json::from_value(json!({"apiVersion": "keelson.io/v1alpha1", "kind": "KubernetesCluster", "metadata": {"name": "prod"},
+            "spec": {}, "status": status}))
+            .unwrap_or_else(|e| panic!("{e}"));
+        Versioned { object, revision: 1 }
+    }
+
+    #[test]
+    fn a_workers_kubelet_waits_for_the_api_server_and_may_trail_it_by_three_minors() {
+        let at = |kubelet: &str, server: Option<&str>| skew_hold(&pool("workers", "worker", kubelet).object, &[cluster(server)]);
+        assert_eq!(at("v1.31.0", Some("v1.31.2")), None);
+        assert_eq!(at("v1.31.9", Some("v1.31.2")), None, "a newer patch of the same minor is within the policy");
+        assert_eq!(at("v1.28.0", Some("v1.31.2")), None);
+        let newer = at("v1.32.0", Some("v1.31.2")).unwrap_or_default();
+        assert!(newer.starts_with("kubelet v1.32.0 would be newer than cluster prod's API server (v1.31.2)"), "{newer}");
+        let older = at("v1.27.3", Some("v1.31.2")).unwrap_or_default();
+        assert!(older.contains("more than three minor versions older"), "{older}");
+        let unknown = at("v1.31.0", None).unwrap_or_default();
+        assert!(unknown.starts_with("waiting to read the version of cluster prod's API server"), "{unknown}");
+        assert!(skew_hold(&pool("workers", "worker", "v1.31.0").object, &[]).is_some_and(|m| m.contains("not registered")));
+        // A control-plane pool takes the API server along with its kubelets.
+        assert_eq!(skew_hold(&pool("cp", "control-plane", "v1.32.0").object, &[cluster(Some("v1.31.2"))]), None);
+    }
+
+    #[test]
+    fn a_clusters_control_plane_pools_go_before_its_other_pools() {
+        let pools = [pool("cp", "control-plane", "v1.31.0"), pool("workers", "worker", "v1.31.0"), pool("gpu", "worker", "v1.31.0")];
+        let names = |p: &Versioned<MachinePool>| {
+            control_plane_pools(&p.object, &pools).iter().map(|q| q.metadata.name_str().to_owned()).collect::<Vec<_>>()
+        };
+        assert_eq!(names(&pools[1]), ["cp"]);
+        assert_eq!(names(&pools[2]), ["cp"]);
+        assert!(names(&pools[0]).is_empty());
     }
 }

@@ -33,12 +33,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
+use keelson_api::cluster::KubernetesCluster;
 use keelson_api::meta::{self, ConditionStatus, Name, Timestamp, annotation, condition};
+use keelson_api::version::KubeVersion;
 use kube::api::{Api, EvictParams, ListParams};
 use serde::{Deserialize, Serialize};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use crate::clusters::CLUSTERS;
 use crate::error::ApiError;
 use crate::http::App;
 use crate::leases::Lease;
@@ -55,6 +58,8 @@ const FIRST_BACKOFF: Duration = Duration::from_secs(1);
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// How often the drainer looks for drains to work on, besides being woken.
 const SCAN_EVERY: Duration = Duration::from_secs(2);
+/// How often the clusters' API server versions are read (crate::clusters::skew_hold).
+const VERSIONS_EVERY: Duration = Duration::from_secs(30);
 /// Requests to the API server.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 const READ_TIMEOUT: Duration = Duration::from_secs(30);
@@ -222,7 +227,17 @@ impl Drainer {
     pub async fn run(self, cancel: CancellationToken) -> anyhow::Result<()> {
         let mut working: HashMap<String, tokio::task::AbortHandle> = HashMap::new();
         let mut tasks = JoinSet::new();
+        let mut versions_due = tokio::time::Instant::now();
+        let mut versions_read: HashMap<String, u64> = HashMap::new();
         loop {
+            let all = tokio::time::Instant::now() >= versions_due;
+            if all {
+                versions_due = tokio::time::Instant::now() + VERSIONS_EVERY;
+            }
+            tokio::select! {
+                _ = cancel.cancelled() => return Ok(()),
+                _ = self.read_server_versions(all, &mut versions_read) => {}
+            }
             while let Some(done) = tasks.try_join_next() {
                 if let Ok(machine) = done {
                     working.remove(&machine);
@@ -304,6 +319,60 @@ impl Drainer {
             }
             DrainPhase::Uncordoning => self.uncordon(drain, lease).await,
             DrainPhase::Drained | DrainPhase::Failed => Ok(None),
+        }
+    }
+
+    /// Reads registered clusters' API server versions into their status, for the version skew
+    /// policy: every cluster's with `all`, else those registered or changed since they were
+    /// last read (`read`: the revision each was at then). A cluster that cannot be reached
+    /// keeps the version last read.
+    async fn read_server_versions(&self, all: bool, read: &mut HashMap<String, u64>) {
+        let clusters = match self.app.registry.list::<KubernetesCluster>(CLUSTERS).await {
+            Ok((clusters, _)) => clusters,
+            Err(e) => return tracing::warn!(error = %e, "could not list clusters"),
+        };
+        read.retain(|name, _| clusters.iter().any(|c| c.object.metadata.name_str() == name));
+        for cluster in clusters {
+            let Some(name) = cluster.object.metadata.name.clone() else { continue };
+            if !all && read.get(name.as_str()) == Some(&cluster.revision) {
+                continue;
+            }
+            read.insert(name.to_string(), cluster.revision);
+            let answer = match self.client(&name).await {
+                Ok(client) => client.apiserver_version().await.map_err(|e| kube_error(&e)),
+                Err(e) => Err(e),
+            };
+            let version = answer.and_then(|info| {
+                // Build metadata (v1.30.4+k3s1) says who built it, not what it is.
+                let bare = info.git_version.split('+').next().unwrap_or_default();
+                bare.parse::<KubeVersion>().map_err(|e| format!("{:?}: {e}", info.git_version))
+            });
+            let version = match version {
+                Ok(v) => v,
+                Err(e) => {
+                    tracing::warn!(cluster = %name, error = %e, "could not read the API server's version");
+                    continue;
+                }
+            };
+            if cluster.object.status.server_version.as_ref() == Some(&version) {
+                continue;
+            }
+            let mut updated = cluster.object;
+            updated.status.server_version = Some(version.clone());
+            let op = Op::Put {
+                key: format!("{CLUSTERS}{name}"),
+                value: encode(&updated),
+                precondition: Precondition::Revision(cluster.revision),
+            };
+            match self.app.registry.store.txn(vec![op]).await {
+                Ok(revision) => {
+                    read.insert(name.to_string(), revision);
+                    tracing::info!(cluster = %name, version = %version, "read the API server's version");
+                    // Pools held back by the version skew policy may move now.
+                    self.app.registry.rollout_wake.notify_one();
+                }
+                Err(e) => tracing::warn!(cluster = %name, error = %e, "could not record the API server's version"),
+            }
         }
     }
 

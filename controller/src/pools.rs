@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 
 use futures_util::{StreamExt, TryStreamExt};
+use keelson_api::cluster::KubernetesCluster;
 use keelson_api::machine::{Machine, Phase};
 use keelson_api::meta::{self, ConditionStatus, Name, annotation, condition, find_condition, set_condition};
 use keelson_api::pool::{DeletionOrder, MachinePool, PoolEtcdStatus, PoolRevision, PoolStatus};
@@ -341,6 +342,7 @@ impl Registry {
         let started = std::time::Instant::now();
         let (pools, _) = self.list::<MachinePool>(POOLS).await?;
         let (machines, _) = self.list::<Machine>(MACHINES).await?;
+        let (clusters, _) = self.list::<KubernetesCluster>(crate::clusters::CLUSTERS).await?;
         let listed = started.elapsed();
         let by_name: std::collections::HashMap<&str, &Versioned<Machine>> =
             machines.iter().map(|m| (m.object.metadata.name_str(), m)).collect();
@@ -385,7 +387,20 @@ impl Registry {
                         .is_some_and(|q| !rolled_out(&q.object, &views[before.as_str()]))
                 })
                 .map(|n| n.to_string())
+                .chain(
+                    crate::clusters::control_plane_pools(pool, &pools)
+                        .into_iter()
+                        .filter(|q| !rolled_out(q, &views[q.metadata.name_str()]))
+                        .map(|q| {
+                            format!(
+                                "{} (the control plane of cluster {})",
+                                q.metadata.name_str(),
+                                pool.spec.kubernetes.as_ref().map(|k| k.cluster.as_str()).unwrap_or_default()
+                            )
+                        }),
+                )
                 .collect();
+            let held = crate::clusters::skew_hold(pool, &clusters);
             let state_key = format!("{ROLLOUTS}{name}");
             let stored: Option<Versioned<RolloutState>> = self.get(&state_key).await?;
             let state = stored.as_ref().map(|s| s.object.clone()).unwrap_or_default();
@@ -395,6 +410,7 @@ impl Registry {
                 members: ms,
                 state: state.clone(),
                 blocked_by,
+                held,
                 now: meta::now(),
             });
             let picked: std::collections::BTreeSet<&str> = decision.update.iter().map(String::as_str).collect();

@@ -59,8 +59,11 @@ pub struct Input<'a> {
     pub revision: u64,
     pub members: &'a [Member],
     pub state: RolloutState,
-    /// Pools named in `after` that have not rolled out.
+    /// Pools named in `after` (and, for a pool of Kubernetes nodes, its cluster's
+    /// control-plane pools) that have not rolled out.
     pub blocked_by: Vec<String>,
+    /// Why the pool may not move yet for another reason (the version skew policy).
+    pub held: Option<String>,
     pub now: Timestamp,
 }
 
@@ -107,7 +110,7 @@ pub fn ordered(members: &[Member]) -> Vec<&Member> {
 
 pub fn schedule(input: Input<'_>) -> Decision {
     let window_open = input.window_open();
-    let Input { rollout, revision, members, mut state, blocked_by, now } = input;
+    let Input { rollout, revision, members, mut state, blocked_by, held, now } = input;
     if state.revision != revision {
         state = RolloutState { revision, ..RolloutState::default() };
     }
@@ -148,6 +151,10 @@ pub fn schedule(input: Input<'_>) -> Decision {
     }
     if !blocked_by.is_empty() {
         d.message = format!("waiting for pool {} to roll out first", blocked_by.join(", "));
+        return d;
+    }
+    if let Some(why) = held {
+        d.message = why;
         return d;
     }
     if !window_open {
@@ -228,7 +235,7 @@ mod tests {
     }
 
     fn run(rollout: &RolloutSpec, members: &[Member], state: RolloutState, now: i64) -> Decision {
-        schedule(Input { rollout, revision: 2, members, state, blocked_by: Vec::new(), now: t(now) })
+        schedule(Input { rollout, revision: 2, members, state, blocked_by: Vec::new(), held: None, now: t(now) })
     }
 
     #[test]
@@ -346,6 +353,7 @@ mod tests {
             members: &ms,
             state: RolloutState::default(),
             blocked_by: vec!["etcd".into()],
+            held: None,
             now: t(0),
         });
         assert_eq!((d.update.len(), d.message.as_str()), (0, "waiting for pool etcd to roll out first"));
@@ -421,6 +429,7 @@ mod tests {
                     members: &ms,
                     state: state.clone(),
                     blocked_by: if blocked { vec!["before".into()] } else { Vec::new() },
+                    held: None,
                     now: t(now),
                 });
                 // Never more disrupted than the budget allows because of the scheduler: only

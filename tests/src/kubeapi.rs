@@ -57,6 +57,8 @@ pub struct Cluster {
     pub grace: Duration,
     /// When set, a ReplicaSet's deleted pod is replaced on another node, Ready after this.
     pub replacement_ready_after: Option<Duration>,
+    /// The version `/version` reports (`gitVersion`).
+    pub version: String,
     history: Vec<WatchEvent>,
     events: broadcast::Sender<WatchEvent>,
 }
@@ -96,6 +98,7 @@ impl Cluster {
             unserved: Vec::new(),
             grace: Duration::from_millis(200),
             replacement_ready_after: None,
+            version: "v1.30.4".into(),
             history: Vec::new(),
             events: broadcast::channel(1024).0,
         }
@@ -330,7 +333,7 @@ impl App {
 
 fn router(app: Arc<App>) -> Router {
     Router::new()
-        .route("/version", get(|| async { Json(json!({"major": "1", "minor": "30", "gitVersion": "v1.30.4", "platform": "linux/amd64"})) }))
+        .route("/version", get(version))
         .route("/api", get(|| async { Json(json!({"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": []})) }))
         .route("/apis", get(|| async { Json(api_groups()) }))
         .route("/api/v1", get(|| async { Json(core_resources()) }))
@@ -356,6 +359,13 @@ fn router(app: Arc<App>) -> Router {
         .fallback(unserved)
         .layer(axum::middleware::from_fn_with_state(app.clone(), authenticate))
         .with_state(app)
+}
+
+async fn version(State(app): State<Arc<App>>) -> Response {
+    let git_version = app.cluster().version.clone();
+    let mut parts = git_version.trim_start_matches('v').split('.');
+    let (major, minor) = (parts.next().unwrap_or_default().to_owned(), parts.next().unwrap_or_default().to_owned());
+    Json(json!({"major": major, "minor": minor, "gitVersion": git_version, "platform": "linux/amd64"})).into_response()
 }
 
 async fn authenticate(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {

@@ -300,9 +300,21 @@ pub async fn wait_for_pool_web(
     secs: u64,
     ok: impl Fn(&serde_json::Value) -> bool,
 ) -> anyhow::Result<serde_json::Value> {
+    wait_for_pool(admin, "web", what, secs, ok).await
+}
+
+/// Waits up to `secs` for pool `name` to satisfy `ok`; its last state, or an error saying
+/// `what` did not happen, with the pool's status.
+pub async fn wait_for_pool(
+    admin: &ApiClient,
+    name: &str,
+    what: &str,
+    secs: u64,
+    ok: impl Fn(&serde_json::Value) -> bool,
+) -> anyhow::Result<serde_json::Value> {
     let deadline = std::time::Instant::now() + Duration::from_secs(secs);
     loop {
-        let p = admin.get("/v1/pools/web").await?;
+        let p = admin.get(&format!("/v1/pools/{name}")).await?;
         if ok(&p.body) {
             return Ok(p.body);
         }

@@ -115,3 +115,59 @@ keelson_tests::on_both_stores! {
         Ok(())
     }
 }
+
+fn kubelet_pool(name: &str, role: &str, version: &str) -> serde_json::Value {
+    json!({"apiVersion": "keelson.io/v1alpha1", "kind": "MachinePool", "metadata": {"name": name},
+           "spec": {"selector": {"matchLabels": {"pool": name}}, "kubernetes": {"cluster": "prod"},
+                    "template": {"spec": {"roles": [role], "kubelet": {"version": version, "source": {"package": "kubelet"}}}}}})
+}
+
+#[tokio::test]
+async fn the_version_skew_policy_holds_kubelets_to_the_api_server() -> R {
+    let api = KubeApi::start().await?;
+    let dir = tmp();
+    let c = keelson_tests::Controller::start(dir.path(), &[])?;
+    let admin = c.admin()?;
+    assert_eq!(admin.put("/v1/clusters/prod", &cluster("prod", &api.kubeconfig())).await?.status, 200);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while admin.get("/v1/clusters/prod").await?.body["status"]["serverVersion"] != "v1.30.4" {
+        anyhow::ensure!(std::time::Instant::now() < deadline, "the API server's version was not read");
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+
+    // Refused when applied: a kubelet newer than the API server with no control plane
+    // heading there, and one more than three minors older.
+    for (version, why) in
+        [("v1.31.0", "newer than cluster prod's API server (v1.30.4)"), ("v1.26.9", "more than three minor versions older")]
+    {
+        let bad = admin.put("/v1/pools/workers", &kubelet_pool("workers", "worker", version)).await?;
+        assert_eq!(bad.status, 400, "{}", bad.text);
+        assert!(bad.text.contains("spec.template.spec.kubelet.version") && bad.text.contains(why), "{}", bad.text);
+    }
+    assert_eq!(admin.get("/v1/pools/workers").await?.status, 404);
+
+    // A worker at v1.30.4, then the control plane and the workers both bound for v1.31: the
+    // workers wait for the API server.
+    assert_eq!(admin.put("/v1/pools/workers", &kubelet_pool("workers", "worker", "v1.30.4")).await?.status, 200);
+    let token = c.token(&["--labels", "pool=workers"])?;
+    let states = tmp();
+    let m = c.enroll("w1", &token, states.path())?;
+    let generation = admin.get("/v1/machines/w1").await?.body["metadata"]["generation"].as_u64().unwrap_or_default();
+    assert_eq!(m.put("/v1/agent/status", &keelson_tests::status_report(generation)).await?.status, 204);
+    assert_eq!(admin.put("/v1/pools/cp", &kubelet_pool("cp", "control-plane", "v1.31.0")).await?.status, 200);
+    let applied = admin.put("/v1/pools/workers", &kubelet_pool("workers", "worker", "v1.31.0")).await?;
+    assert_eq!(applied.status, 200, "{}", applied.text);
+    let held = keelson_tests::wait_for_pool(&admin, "workers", "the rollout held", 10, |p| {
+        p["status"]["message"].as_str().is_some_and(|m| m.contains("would be newer than cluster prod's API server (v1.30.4)"))
+    })
+    .await?;
+    assert_eq!(held["status"]["waiting"], 1, "{}", held["status"]);
+
+    // The control plane is upgraded; the controller reads the new version (here at once: the
+    // cluster's kubeconfig is registered again), and the workers move.
+    api.with(|c| c.version = "v1.31.1".into());
+    assert_eq!(admin.put("/v1/clusters/prod", &cluster("prod", &api.kubeconfig())).await?.status, 200);
+    keelson_tests::wait_for_pool(&admin, "workers", "the rollout moving", 20, |p| p["status"]["waiting"] == 0).await?;
+    assert_eq!(admin.get("/v1/machines/w1").await?.body["spec"]["kubelet"]["version"], "v1.31.0");
+    Ok(())
+}
