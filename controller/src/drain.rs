@@ -52,8 +52,9 @@ pub const DRAINS: &str = "/drains/";
 
 /// The annotation a kubelet puts on a static pod's mirror in the API server.
 const MIRROR_POD: &str = "kubernetes.io/config.mirror";
-/// Pause between eviction rounds while something is in the way: from `FIRST_BACKOFF`,
-/// doubled each round, at most `MAX_BACKOFF`.
+/// Pause between a drain's steps while something is in the way (a budget refusing an
+/// eviction, pods terminating, a node not Ready yet, an unreachable API server): from
+/// `FIRST_BACKOFF`, doubled each step, at most `MAX_BACKOFF`.
 const FIRST_BACKOFF: Duration = Duration::from_secs(1);
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// How often the drainer looks for drains to work on, besides being woken.
@@ -223,21 +224,39 @@ impl Drainer {
         Drainer { app, clients: Arc::default() }
     }
 
-    /// Works on every drain that needs it until `cancel` (the end of this leader's term).
+    /// Works on every drain that needs it, and keeps the clusters' API server versions read,
+    /// until `cancel` (the end of this leader's term).
     pub async fn run(self, cancel: CancellationToken) -> anyhow::Result<()> {
-        let mut working: HashMap<String, tokio::task::AbortHandle> = HashMap::new();
-        let mut tasks = JoinSet::new();
-        let mut versions_due = tokio::time::Instant::now();
-        let mut versions_read: HashMap<String, u64> = HashMap::new();
+        tokio::join!(self.drains(cancel.clone()), self.versions(cancel));
+        Ok(())
+    }
+
+    /// Reads the clusters' API server versions: a cluster registered or changed within a scan,
+    /// every cluster every `VERSIONS_EVERY`. Apart from the drains, so that an unreachable
+    /// cluster's timeouts hold up no drain.
+    async fn versions(&self, cancel: CancellationToken) {
+        let mut due = tokio::time::Instant::now();
+        let mut read: HashMap<String, u64> = HashMap::new();
         loop {
-            let all = tokio::time::Instant::now() >= versions_due;
+            let all = tokio::time::Instant::now() >= due;
             if all {
-                versions_due = tokio::time::Instant::now() + VERSIONS_EVERY;
+                due = tokio::time::Instant::now() + VERSIONS_EVERY;
             }
             tokio::select! {
-                _ = cancel.cancelled() => return Ok(()),
-                _ = self.read_server_versions(all, &mut versions_read) => {}
+                _ = cancel.cancelled() => return,
+                _ = self.read_server_versions(all, &mut read) => {}
             }
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = tokio::time::sleep(SCAN_EVERY) => {}
+            }
+        }
+    }
+
+    async fn drains(&self, cancel: CancellationToken) {
+        let mut working: HashMap<String, tokio::task::AbortHandle> = HashMap::new();
+        let mut tasks = JoinSet::new();
+        loop {
             while let Some(done) = tasks.try_join_next() {
                 if let Ok(machine) = done {
                     working.remove(&machine);
@@ -269,7 +288,7 @@ impl Drainer {
             tokio::select! {
                 _ = cancel.cancelled() => {
                     tasks.shutdown().await;
-                    return Ok(());
+                    return;
                 }
                 _ = tokio::time::sleep(SCAN_EVERY) => {}
                 _ = self.app.registry.drain_wake.notified() => {}
@@ -279,28 +298,22 @@ impl Drainer {
 
     /// Drives one machine's drain until it leaves the phases the drainer works in.
     async fn work_on(&self, machine: &Name) {
-        let mut backoff = FIRST_BACKOFF;
+        let mut pause = FIRST_BACKOFF;
         loop {
-            let pause = match self.step(machine).await {
-                Ok(Some(pause)) => {
-                    backoff = FIRST_BACKOFF;
-                    pause
-                }
-                Ok(None) => return,
-                Err(e) => {
-                    tracing::warn!(machine = %machine, error = %e, "drain step failed; trying again");
-                    backoff = (backoff * 2).min(MAX_BACKOFF);
-                    backoff
-                }
-            };
+            match self.step(machine).await {
+                Ok(true) => {}
+                Ok(false) => return,
+                Err(e) => tracing::warn!(machine = %machine, error = %e, "drain step failed; trying again"),
+            }
             tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(MAX_BACKOFF);
         }
     }
 
-    /// One step of a drain. `Some(pause)` to come back after it, `None` when the drainer has
-    /// nothing more to do.
-    async fn step(&self, machine: &Name) -> Result<Option<Duration>, ApiError> {
-        let Some(drain) = self.app.registry.get::<Drain>(&drain_key(machine)).await? else { return Ok(None) };
+    /// One step of a drain: whether the drainer comes back for another (after a pause that
+    /// grows, as evictions a budget refuses are retried with backoff).
+    async fn step(&self, machine: &Name) -> Result<bool, ApiError> {
+        let Some(drain) = self.app.registry.get::<Drain>(&drain_key(machine)).await? else { return Ok(false) };
         let now = meta::now();
         let lease = self.app.registry.get::<Lease>(&drain.object.lease_key).await?.filter(|l| l.object.id == drain.object.lease);
         let live = lease.as_ref().filter(|l| l.object.expires_at > now);
@@ -308,17 +321,17 @@ impl Drainer {
             DrainPhase::Draining => {
                 if live.is_none() {
                     self.give_up(drain, lease, "Abandoned", "the disruption lease expired while the node was drained").await?;
-                    return Ok(None);
+                    return Ok(false);
                 }
                 if now >= drain.object.deadline() {
                     let message = format!("gave up after {}s: {}", drain.object.timeout_seconds, drain.object.message);
                     self.give_up(drain, lease, "DrainTimeout", &message).await?;
-                    return Ok(None);
+                    return Ok(false);
                 }
                 self.drain(drain, lease).await
             }
             DrainPhase::Uncordoning => self.uncordon(drain, lease).await,
-            DrainPhase::Drained | DrainPhase::Failed => Ok(None),
+            DrainPhase::Drained | DrainPhase::Failed => Ok(false),
         }
     }
 
@@ -404,7 +417,7 @@ impl Drainer {
     }
 
     /// Cordons, evicts, and looks at what is left; `Drained` when nothing is in the way.
-    async fn drain(&self, mut drain: Versioned<Drain>, lease: Option<Versioned<Lease>>) -> Result<Option<Duration>, ApiError> {
+    async fn drain(&self, mut drain: Versioned<Drain>, lease: Option<Versioned<Lease>>) -> Result<bool, ApiError> {
         let (name, cluster) = (drain.object.node.clone(), drain.object.cluster.clone());
         let client = match self.client(&cluster).await {
             Ok(c) => c,
@@ -475,7 +488,7 @@ impl Drainer {
 
     /// Uncordons the node (when this drain cordoned it) and waits for it to be Ready; then
     /// the lease and the drain record go.
-    async fn uncordon(&self, drain: Versioned<Drain>, lease: Option<Versioned<Lease>>) -> Result<Option<Duration>, ApiError> {
+    async fn uncordon(&self, drain: Versioned<Drain>, lease: Option<Versioned<Lease>>) -> Result<bool, ApiError> {
         let (name, cluster, ours) = (drain.object.node.clone(), drain.object.cluster.clone(), drain.object.cordoned_it());
         let client = match self.client(&cluster).await {
             Ok(c) => c,
@@ -518,12 +531,7 @@ impl Drainer {
     }
 
     /// Records what the drain waits for (when it changed) and comes back shortly.
-    async fn progress(
-        &self,
-        mut drain: Versioned<Drain>,
-        lease: Option<Versioned<Lease>>,
-        message: String,
-    ) -> Result<Option<Duration>, ApiError> {
+    async fn progress(&self, mut drain: Versioned<Drain>, lease: Option<Versioned<Lease>>, message: String) -> Result<bool, ApiError> {
         let changed = drain.object.message != message;
         if changed {
             drain.object.message = message.clone();
@@ -537,15 +545,10 @@ impl Drainer {
                 self.condition(&machine, ConditionStatus::False, reason, &message).await;
             }
         }
-        Ok(Some(MAX_BACKOFF.min(FIRST_BACKOFF * 2)))
+        Ok(true)
     }
 
-    async fn drained(
-        &self,
-        mut drain: Versioned<Drain>,
-        lease: Option<Versioned<Lease>>,
-        message: String,
-    ) -> Result<Option<Duration>, ApiError> {
+    async fn drained(&self, mut drain: Versioned<Drain>, lease: Option<Versioned<Lease>>, message: String) -> Result<bool, ApiError> {
         drain.object.phase = DrainPhase::Drained;
         drain.object.message = message.clone();
         let machine = drain.object.machine.clone();
@@ -553,7 +556,7 @@ impl Drainer {
         self.save(drain, lease.as_ref(), true).await?;
         self.condition(&machine, ConditionStatus::True, "Drained", &message).await;
         self.event(&machine, "Normal", "Drained", &message).await;
-        Ok(None)
+        Ok(false)
     }
 
     /// Ends a drain that did not finish: the node back as it was, the lease deleted, the
@@ -591,12 +594,7 @@ impl Drainer {
         Ok(())
     }
 
-    async fn finish(
-        &self,
-        drain: Versioned<Drain>,
-        lease: Option<Versioned<Lease>>,
-        message: String,
-    ) -> Result<Option<Duration>, ApiError> {
+    async fn finish(&self, drain: Versioned<Drain>, lease: Option<Versioned<Lease>>, message: String) -> Result<bool, ApiError> {
         let d = &drain.object;
         let mut ops = vec![Op::Delete { key: drain_key(&d.machine), precondition: Precondition::Revision(drain.revision) }];
         if let Some(l) = &lease {
@@ -605,7 +603,7 @@ impl Drainer {
         self.app.registry.store.txn(ops).await.map_err(conflict_is_retried)?;
         self.condition(&d.machine, ConditionStatus::False, "Uncordoned", &message).await;
         self.event(&d.machine, "Normal", "Uncordoned", &format!("{message}; lease {} released", d.lease)).await;
-        Ok(None)
+        Ok(false)
     }
 
     /// Sets the machine's `Drained` condition. Not fatal when it fails: the drain's record
@@ -631,8 +629,12 @@ impl Drainer {
     }
 }
 
+/// Whether a lease the drainer holds for its agent is to be renewed now: when half its time to
+/// live has passed, and in any case while fewer seconds are left than a few of the drainer's
+/// pauses, so that a short time to live cannot run out between two steps.
 fn due_for_renewal(lease: &Lease, ttl_seconds: u64, now: Timestamp) -> bool {
-    lease.expires_at - now < time::Duration::seconds(ttl_seconds as i64 / 2)
+    let margin = (ttl_seconds / 2).max(3 * MAX_BACKOFF.as_secs());
+    lease.expires_at - now < time::Duration::seconds(margin as i64)
 }
 
 /// A write that lost a race is tried again by the next step, from what is stored then.

@@ -285,17 +285,16 @@ impl Registry {
                 }
                 (lease, ops)
             };
-            match self.store.txn(ops).await {
-                Ok(_) if draining.is_some() => {
+            match (self.store.txn(ops).await, draining) {
+                (Ok(_), Some(record)) => {
                     drop(one_at_a_time);
-                    let record = draining.unwrap_or_else(|| unreachable!());
                     let message =
                         format!("lease {} for {reason}; draining node {} of cluster {} first", lease.id, record.node, record.cluster);
                     self.record_event(name.as_str(), "Normal", "DrainStarted", &message, "controller").await?;
                     self.drain_wake.notify_one();
                     return Ok(Decision::Wait { message: record.waiting() });
                 }
-                Ok(_) => {
+                (Ok(_), None) => {
                     drop(one_at_a_time);
                     self.record_event(
                         name.as_str(),
@@ -307,8 +306,8 @@ impl Registry {
                     .await?;
                     return Ok(Decision::Granted(lease));
                 }
-                Err(StoreError::Conflict { .. }) => continue,
-                Err(e) => return Err(e.into()),
+                (Err(StoreError::Conflict { .. }), _) => continue,
+                (Err(e), _) => return Err(e.into()),
             }
         }
         Err(ApiError::Conflict("leases are changing too often; try again".into()))
