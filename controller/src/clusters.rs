@@ -14,6 +14,7 @@ use keelson_api::machine::Machine;
 use keelson_api::meta::{self, Name};
 use keelson_api::pool::MachinePool;
 use keelson_api::validate::validate_cluster;
+use keelson_api::version::KubeVersion;
 
 use crate::error::ApiError;
 use crate::registry::{CAS_ATTEMPTS, POOLS, Registry, Versioned, encode, new_uid, not_found, parse_resource_version};
@@ -141,22 +142,22 @@ impl Registry {
             return Ok(());
         }
         let name = cluster.metadata.name_str();
-        let (want, have) = ((kubelet.version.major(), kubelet.version.minor()), (server.major(), server.minor()));
         const AT: &str = "spec.template.spec.kubelet.version";
-        if want.0 < have.0 || want.1 + 3 < have.1 {
-            return Err(ApiError::invalid(
-                AT,
-                format!("{} is more than three minor versions older than cluster {name}'s API server ({server})", kubelet.version),
-            ));
-        }
-        if want <= have {
-            return Ok(());
+        match skew(&kubelet.version, server) {
+            Skew::Within => return Ok(()),
+            Skew::TooOld => {
+                return Err(ApiError::invalid(
+                    AT,
+                    format!("{} is more than three minor versions older than cluster {name}'s API server ({server})", kubelet.version),
+                ));
+            }
+            Skew::Newer => {}
         }
         let (pools, _) = self.list::<MachinePool>(POOLS).await?;
         let heading = control_plane_pools(pool, &pools)
             .iter()
             .filter_map(|p| p.spec.template.spec.kubelet.as_ref())
-            .any(|k| (k.version.major(), k.version.minor()) >= want);
+            .any(|k| minor_of(&k.version) >= minor_of(&kubelet.version));
         if heading {
             return Ok(());
         }
@@ -187,20 +188,42 @@ pub fn skew_hold(pool: &MachinePool, clusters: &[Versioned<KubernetesCluster>]) 
     let Some(server) = &cluster.object.status.server_version else {
         return Some(format!("waiting to read the version of cluster {}'s API server (kubelet version skew policy)", k.cluster));
     };
-    let (want, have) = ((kubelet.version.major(), kubelet.version.minor()), (server.major(), server.minor()));
-    if want > have {
-        return Some(format!(
+    match skew(&kubelet.version, server) {
+        Skew::Within => None,
+        Skew::Newer => Some(format!(
             "kubelet {} would be newer than cluster {}'s API server ({server}): waiting for its control plane to be upgraded",
             kubelet.version, k.cluster
-        ));
-    }
-    if want.0 < have.0 || want.1 + 3 < have.1 {
-        return Some(format!(
+        )),
+        Skew::TooOld => Some(format!(
             "kubelet {} would be more than three minor versions older than cluster {}'s API server ({server})",
             kubelet.version, k.cluster
-        ));
+        )),
     }
-    None
+}
+
+/// Where a kubelet's version stands against its API server's under Kubernetes' skew policy.
+#[derive(Debug, PartialEq, Eq)]
+enum Skew {
+    Within,
+    /// A newer minor than the API server's.
+    Newer,
+    /// More than three minors older (or an older major).
+    TooOld,
+}
+
+fn minor_of(v: &KubeVersion) -> (u64, u64) {
+    (v.major(), v.minor())
+}
+
+fn skew(kubelet: &KubeVersion, server: &KubeVersion) -> Skew {
+    let (want, have) = (minor_of(kubelet), minor_of(server));
+    if want > have {
+        Skew::Newer
+    } else if want.0 < have.0 || want.1 + 3 < have.1 {
+        Skew::TooOld
+    } else {
+        Skew::Within
+    }
 }
 
 pub fn is_control_plane(pool: &MachinePool) -> bool {

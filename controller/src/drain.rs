@@ -142,7 +142,6 @@ struct Round {
     in_the_way: Vec<String>,
     /// Pods left on the node by rule (DaemonSet, mirror, excluded).
     left: usize,
-    evicted: usize,
 }
 
 /// How a pod is treated by a drain.
@@ -472,10 +471,7 @@ impl Drainer {
                     let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
                     let api: Api<Pod> = Api::namespaced(client.clone(), namespace);
                     match api.evict(pod.metadata.name.as_deref().unwrap_or_default(), &EvictParams::default()).await {
-                        Ok(_) => {
-                            round.evicted += 1;
-                            round.in_the_way.push(format!("{name}: evicted, terminating"));
-                        }
+                        Ok(_) => round.in_the_way.push(format!("{name}: evicted, terminating")),
                         Err(kube::Error::Api(s)) if s.code == 404 => {}
                         Err(kube::Error::Api(s)) if s.code == 429 => round.in_the_way.push(format!("{name}: {}", status_message(&s))),
                         Err(e) => round.in_the_way.push(format!("{name}: eviction failed: {}", kube_error(&e))),
