@@ -41,6 +41,9 @@ pub struct Lease {
     pub id: String,
     #[serde(with = "time::serde::rfc3339")]
     pub expires_at: time::OffsetDateTime,
+    /// For a machine with kubeadm in its spec: which upgrade it runs under this lease.
+    #[serde(default)]
+    pub kubeadm: Option<keelson_api::machine::KubeadmUpgrade>,
 }
 
 /// The answer to a lease request.

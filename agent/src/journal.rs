@@ -25,6 +25,9 @@ pub struct Journal {
     pub attempts: u32,
     /// A disruption lease held across steps (and across the reboot).
     pub lease: Option<String>,
+    /// The kubeadm upgrade the lease's grant said this machine runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kubeadm_upgrade: Option<keelson_api::machine::KubeadmUpgrade>,
     /// Set when the reboot step has asked the machine to reboot.
     pub reboot: Option<RebootRecord>,
     /// The generation a `reboot: Always` reboot was last done for.
@@ -60,6 +63,7 @@ impl Journal {
             next: 0,
             attempts: 0,
             lease: None,
+            kubeadm_upgrade: None,
             reboot: None,
             rebooted_for_generation,
             failed: None,

@@ -1,5 +1,5 @@
 //! The ledger: what keelson itself put on the machine that no package database records —
-//! bootstrap scripts that have run, and containerd binaries installed from a release tarball
+//! bootstrap scripts that have run, the version kubeadm last upgraded the node to, and containerd binaries installed from a release tarball
 //! (with the size, modification time and inode of each, so that a binary replaced by hand is
 //! seen as drift without hashing tens of megabytes on every observation).
 
@@ -21,6 +21,9 @@ pub struct Ledger {
     pub bootstrapped: BTreeSet<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub runtime_artifact: Option<InstalledArtifact>,
+    /// The version `kubeadm upgrade` last brought this node to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kubeadm_upgraded: Option<String>,
     /// The spec last carried out, so that a reset knows what keelson put here even when the
     /// controller cannot be asked.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -111,6 +114,7 @@ mod tests {
                 version: "1.7.22".into(),
                 binaries: BTreeMap::from([("/usr/local/bin/containerd".to_owned(), stamp)]),
             }),
+            kubeadm_upgraded: Some("v1.31.2".into()),
             spec: None,
         };
         ledger.save(root.path())?;

@@ -42,6 +42,12 @@ pub struct Observed {
     pub files: BTreeMap<String, FileState>,
     /// What `kubelet --version` says, when the spec has a kubelet and one is installed.
     pub kubelet_version: Option<String>,
+    /// What `kubeadm version` says, when the spec has kubeadm and it is installed.
+    pub kubeadm_version: Option<String>,
+    /// The version the node was last upgraded to with kubeadm, when it has joined a cluster
+    /// (spec with kubeadm only): the ledger's record, or for a node keelson has not upgraded
+    /// yet, the kubelet's version (the node is at the version it was set up with).
+    pub kubeadm_node: Option<String>,
     /// Bootstrap scripts that have succeeded here (from the ledger).
     pub bootstrapped: BTreeSet<String>,
     /// The digest of the containerd release tarball whose binaries are in place, unchanged.
@@ -137,6 +143,14 @@ pub fn observe(root: &Path, ledger: &Ledger, spec: &MachineSpec) -> Result<Obser
         boot_id: read("proc/sys/kernel/random/boot_id"),
         files,
         kubelet_version: spec.kubelet.as_ref().and_then(|_| crate::drivers::kubelet::installed_version(root)),
+        kubeadm_version: spec.kubeadm.as_ref().and_then(|_| crate::drivers::kubeadm::installed_version(root)),
+        kubeadm_node: spec.kubeadm.as_ref().filter(|_| crate::drivers::kubeadm::node_joined(root)).map(|_| {
+            ledger
+                .kubeadm_upgraded
+                .clone()
+                .or_else(|| crate::drivers::kubelet::installed_version(root))
+                .unwrap_or_else(|| "unknown".to_owned())
+        }),
         bootstrapped: ledger.bootstrapped.clone(),
         runtime_artifact: ledger.intact_runtime_artifact(root).map(|a| a.sha256.clone()),
         etcd_version: spec
@@ -157,7 +171,12 @@ pub fn observe(root: &Path, ledger: &Ledger, spec: &MachineSpec) -> Result<Obser
 
 /// The versions of what `spec` manages, for the status.
 pub fn versions(o: &Observed, ledger: &Ledger, spec: &MachineSpec) -> Versions {
-    let mut v = Versions { kernel: Some(o.running_kernel.clone()), kubelet: o.kubelet_version.clone(), ..Versions::default() };
+    let mut v = Versions {
+        kernel: Some(o.running_kernel.clone()),
+        kubelet: o.kubelet_version.clone(),
+        kubeadm: o.kubeadm_version.clone(),
+        ..Versions::default()
+    };
     if let Some(os) = &spec.os {
         for p in &os.packages {
             if let Some(i) = o.packages.get(p.name.as_str()) {

@@ -1,14 +1,15 @@
 //! The planner: a pure function from the desired spec and the observed machine to an ordered
 //! list of idempotent steps, each marked disruptive or not. It never touches the machine.
 //!
-//! The order: preUpgrade scripts → repositories → OS packages → container runtime → kubelet →
+//! The order: preUpgrade scripts → repositories → OS packages → container runtime → kubeadm
+//! (and the node's upgrade with it) → kubelet →
 //! etcd member → files → bootstrap scripts → reboot → postUpgrade scripts. preUpgrade and postUpgrade
 //! scripts run only when something else changes, so an up-to-date machine has an empty plan;
 //! a bootstrap script runs once per machine (the ledger remembers it by name).
 
 use std::collections::BTreeMap;
 
-use keelson_api::machine::{MachineSpec, RebootPolicy, Repository, ScriptSpec, ScriptWhen};
+use keelson_api::machine::{KubeadmSpec, MachineSpec, RebootPolicy, Repository, ScriptSpec, ScriptWhen};
 use serde::{Deserialize, Serialize};
 
 use crate::observe::{CONTAINERD_CONFIG, Observed, sha256_hex};
@@ -68,6 +69,23 @@ pub enum Action {
         package: Option<String>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         previous_package: Option<String>,
+    },
+    /// Install kubeadm: from `package` (the version whose upstream part is `version`, then
+    /// held), or the cached `artifact` (its previous binary kept, put back when the new one is
+    /// not `version`). Disrupts nothing: kubeadm does nothing until it is run.
+    KubeadmInstall {
+        version: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        package: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        artifact: Option<String>,
+    },
+    /// Upgrade this node with kubeadm to `version`: `kubeadm upgrade apply` or `kubeadm upgrade
+    /// node`, as the controller's lease says (a worker without the controller's word: node).
+    KubeadmUpgrade {
+        version: String,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        control_plane: bool,
     },
     /// Run an operator's script; a bootstrap script is recorded in the ledger once it succeeds.
     Script {
@@ -302,6 +320,10 @@ pub fn plan(spec: &MachineSpec, observed: &Observed, ctx: &Context) -> Result<Ve
         }
     }
 
+    if let Some(k) = &spec.kubeadm {
+        kubeadm_steps(&mut steps, k, spec.roles.contains(&keelson_api::machine::Role::ControlPlane), observed);
+    }
+
     if let Some(k) = &spec.kubelet {
         let version = k.version.to_string();
         let binary_differs = observed.kubelet_version.as_deref() != Some(version.as_str());
@@ -465,6 +487,46 @@ pub fn plan(spec: &MachineSpec, observed: &Observed, ctx: &Context) -> Result<Ve
     Ok(steps)
 }
 
+/// kubeadm at the spec's version, then — on a node that has joined its cluster and is not
+/// there yet — the node upgraded with it, before the kubelet step (kubeadm's own order).
+fn kubeadm_steps(steps: &mut Vec<Step>, k: &KubeadmSpec, control_plane: bool, observed: &Observed) {
+    let version = k.version.to_string();
+    if observed.kubeadm_version.as_deref() != Some(version.as_str()) {
+        match &k.source.package {
+            Some(package) => steps.push(Step {
+                description: format!("install kubeadm {version} from package {package}"),
+                disruptive: false,
+                action: Action::KubeadmInstall { version: version.clone(), package: Some(package.to_string()), artifact: None },
+            }),
+            None => {
+                let url = k.source.url.as_ref().map(|u| u.to_string()).unwrap_or_default();
+                let sha256 = k.source.sha256.as_ref().map(|d| d.to_string()).unwrap_or_default();
+                steps.push(Step {
+                    description: format!("fetch kubeadm {version}"),
+                    disruptive: false,
+                    action: Action::FetchArtifact { url, sha256: sha256.clone() },
+                });
+                steps.push(Step {
+                    description: format!("install kubeadm {version}"),
+                    disruptive: false,
+                    action: Action::KubeadmInstall { version: version.clone(), package: None, artifact: Some(sha256) },
+                });
+            }
+        }
+    } else if let Some(name) = k.source.package.as_ref().map(|p| p.to_string())
+        && observed.packages.get(&name).is_some_and(|i| !i.held)
+    {
+        steps.push(Step { description: format!("hold {name}"), disruptive: false, action: Action::Hold { names: vec![name] } });
+    }
+    if observed.kubeadm_node.as_deref().is_some_and(|at| at != version) {
+        steps.push(Step {
+            description: format!("upgrade the node with kubeadm {version}"),
+            disruptive: true,
+            action: Action::KubeadmUpgrade { version, control_plane },
+        });
+    }
+}
+
 fn script_step(s: &ScriptSpec) -> Step {
     let when = match s.when {
         ScriptWhen::PreUpgrade => "preUpgrade",
@@ -566,6 +628,20 @@ pub fn apply_model(observed: &Observed, steps: &[Step]) -> Observed {
                     if let Some(c) = content {
                         o.files.insert(path.to_owned(), crate::observe::FileState { sha256: sha256_hex(c.as_bytes()), mode: 0o644 });
                     }
+                }
+            }
+            Action::KubeadmInstall { version, package, .. } => {
+                o.kubeadm_version = Some(version.clone());
+                if let Some(p) = package {
+                    o.packages
+                        .entry(p.clone())
+                        .or_insert_with(|| crate::observe::Installed { version: version.clone(), held: true })
+                        .held = true;
+                }
+            }
+            Action::KubeadmUpgrade { version, .. } => {
+                if o.kubeadm_node.is_some() {
+                    o.kubeadm_node = Some(version.clone());
                 }
             }
             Action::Script { name, when: ScriptWhen::Bootstrap, .. } => {
@@ -856,6 +932,36 @@ mod tests {
         Ok(())
     }
 
+    #[test]
+    fn kubeadm_is_installed_then_upgrades_a_joined_node_before_the_kubelet() -> Result<(), PlanError> {
+        let s = spec_from(serde_json::json!({"roles": ["worker"],
+            "kubeadm": {"version": "1.31.2", "source": {"package": "kubeadm"}},
+            "kubelet": {"version": "1.31.2", "source": {"package": "kubelet"}}}));
+        let mut o = machine();
+        o.kubelet_version = Some("v1.30.4".into());
+        o.packages.insert("kubelet".into(), Installed { version: "1.30.4-1.1".into(), held: true });
+        o.kubeadm_version = Some("v1.30.4".into());
+        o.kubeadm_node = Some("v1.30.4".into());
+        assert_eq!(
+            shape(&plan(&s, &o, &Context::default())?),
+            vec![
+                (false, "install kubeadm v1.31.2 from package kubeadm"),
+                (true, "upgrade the node with kubeadm v1.31.2"),
+                (true, "install kubelet v1.31.2 from package kubelet and restart it"),
+            ]
+        );
+        // A node that has not joined a cluster: kubeadm installed, nothing to upgrade.
+        o.kubeadm_node = None;
+        assert_eq!(shape(&plan(&s, &o, &Context::default())?)[..1], [(false, "install kubeadm v1.31.2 from package kubeadm")]);
+        assert_eq!(plan(&s, &o, &Context::default())?.len(), 2);
+        // Upgraded already: only the kubelet is left.
+        o.kubeadm_version = Some("v1.31.2".into());
+        o.packages.insert("kubeadm".into(), Installed { version: "1.31.2-1.1".into(), held: true });
+        o.kubeadm_node = Some("v1.31.2".into());
+        assert_eq!(shape(&plan(&s, &o, &Context::default())?), vec![(true, "install kubelet v1.31.2 from package kubelet and restart it")]);
+        Ok(())
+    }
+
     fn arb_version() -> impl Strategy<Value = String> {
         prop_oneof![Just("1.0-1".to_owned()), Just("1.0-2".to_owned()), Just("2.0-1".to_owned()), Just("1:0.9-1".to_owned())]
     }
@@ -881,6 +987,8 @@ mod tests {
                 boot_id: "b".into(),
                 files: files.into_iter().map(|(p, (c, m))| (p, FileState { sha256: sha256_hex(c.as_bytes()), mode: m })).collect(),
                 kubelet_version: None,
+                kubeadm_version: None,
+                kubeadm_node: None,
                 bootstrapped,
                 runtime_artifact,
                 etcd_version: None,

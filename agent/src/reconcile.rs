@@ -23,14 +23,14 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use keelson_api::machine::{CurrentStep, MachineSpec, Phase, Versions};
+use keelson_api::machine::{CurrentStep, KubeadmUpgrade, MachineSpec, Phase, Versions};
 use keelson_api::meta::{self, Condition, ConditionStatus, condition, set_condition};
 use keelson_api::wire::Event;
 use tokio_util::sync::CancellationToken;
 
-use crate::client::{Controller, LeaseAnswer};
+use crate::client::{Controller, Lease, LeaseAnswer};
 use crate::drivers::packages::{Manager, PackageError};
-use crate::drivers::{artifact, containerd, files, kubelet, script, systemd};
+use crate::drivers::{artifact, containerd, files, kubeadm, kubelet, script, systemd};
 use crate::journal::{Journal, RebootRecord};
 use crate::ledger::{InstalledArtifact, Ledger};
 use crate::observe::{self, CONTAINERD_CONFIG};
@@ -322,13 +322,15 @@ impl Reconciler {
             {
                 tracing::info!(lease = %id, error = %e, "the lease from before the restart is gone; asking again");
                 journal.lease = None;
+                journal.kubeadm_upgrade = None;
             }
             if step.disruptive && journal.lease.is_none() {
                 let ttl =
                     if matches!(step.action, Action::Reboot { .. }) { Duration::from_secs(REBOOT_LEASE_TTL_SECS) } else { self.lease_ttl };
                 match self.acquire_lease(&step.description, ttl).await {
-                    Some(id) => {
-                        journal.lease = Some(id);
+                    Some(lease) => {
+                        journal.lease = Some(lease.id);
+                        journal.kubeadm_upgrade = lease.kubeadm;
                         if let Err(o) = self.save(journal) {
                             return o;
                         }
@@ -405,13 +407,13 @@ impl Reconciler {
     }
 
     /// Waits for a lease, reporting why it waits. `None` when shutting down.
-    async fn acquire_lease(&self, what: &str, ttl: Duration) -> Option<String> {
+    async fn acquire_lease(&self, what: &str, ttl: Duration) -> Option<Lease> {
         let mut waiting_reported = false;
         loop {
             match self.controller.acquire_lease(what, ttl).await {
                 Ok(LeaseAnswer::Granted(l)) => {
                     self.report.event("Normal", "DisruptionGranted", format!("lease {} for {what}", l.id));
-                    return Some(l.id);
+                    return Some(l);
                 }
                 Ok(LeaseAnswer::Wait(message)) => {
                     if !waiting_reported {
@@ -431,6 +433,7 @@ impl Reconciler {
     }
 
     async fn release_lease(&self, journal: &mut Journal) {
+        journal.kubeadm_upgrade = None;
         if let Some(id) = journal.lease.take()
             && let Err(e) = self.controller.release_lease(&id).await
         {
@@ -507,6 +510,12 @@ impl Reconciler {
                     (None, None) => None,
                 };
                 self.etcd_step(cluster, version, source, unit.as_deref(), env.as_deref(), *join).await?
+            }
+            Action::KubeadmInstall { version, package, artifact } => {
+                self.kubeadm_install_step(version, package.as_deref(), artifact.as_deref()).await?
+            }
+            Action::KubeadmUpgrade { version, control_plane } => {
+                self.kubeadm_upgrade_step(version, journal.kubeadm_upgrade, *control_plane).await?
             }
             Action::Script { name, when, run, env, timeout_seconds } => {
                 self.script_step(journal.generation, name, *when, run, env, *timeout_seconds).await?
@@ -731,6 +740,66 @@ impl Reconciler {
             None => "there was no previous package to roll back to".to_owned(),
         };
         Err(StepError::Permanent(format!("kubelet {version} ({package} {chosen}) failed its check ({health}); {what}")))
+    }
+
+    async fn kubeadm_install_step(&self, version: &str, package: Option<&str>, digest: Option<&str>) -> Result<(), StepError> {
+        let root = std::path::Path::new("/");
+        if let Some(package) = package {
+            let pm = Self::packages()?;
+            pm.update().await?;
+            let chosen = Self::newest_of_release(pm, package, "kubeadm", version).await?;
+            let pin = plan::Pin { name: package.to_owned(), version: chosen.clone() };
+            pm.install(std::slice::from_ref(&pin)).await?;
+            pm.hold(&[package.to_owned()]).await?;
+            return match kubeadm::installed_version(root) {
+                Some(v) if v == version => Ok(()),
+                other => Err(StepError::Permanent(format!(
+                    "{package} {chosen} reports kubeadm {}, not {version}",
+                    other.as_deref().unwrap_or("no version")
+                ))),
+            };
+        }
+        let Some(sha) = digest else { return Err(StepError::Permanent("kubeadm has neither a package nor an artifact".into())) };
+        let cached = artifact::cached(&self.state_dir, sha);
+        if !cached.exists() {
+            return Err(transient(format!("artifact {sha} is not in the cache (fetch it first)")));
+        }
+        let previous = kubeadm::installed_version(root);
+        kubeadm::install_binary(&cached).map_err(|e| transient(format!("installing {}: {e}", kubeadm::BINARY)))?;
+        // The digest pins the bytes; the version the spec names must be what they are.
+        match kubeadm::installed_version(root) {
+            Some(v) if v == version => Ok(()),
+            other => {
+                let what = match kubeadm::restore_previous() {
+                    Ok(true) => format!("put the previous binary back ({})", previous.as_deref().unwrap_or("unknown version")),
+                    Ok(false) => "there was no previous binary to put back".into(),
+                    Err(e) => format!("putting the previous binary back failed: {e}"),
+                };
+                Err(StepError::Permanent(format!(
+                    "the kubeadm artifact reports {}, not {version}; {what}",
+                    other.as_deref().unwrap_or("no version")
+                )))
+            }
+        }
+    }
+
+    /// `kubeadm upgrade apply` or `node`, as the lease says. A control-plane machine needs the
+    /// controller's word: only it knows whether another machine has upgraded the cluster yet.
+    async fn kubeadm_upgrade_step(&self, version: &str, mode: Option<KubeadmUpgrade>, control_plane: bool) -> Result<(), StepError> {
+        let mode = match mode {
+            Some(m) => m,
+            None if !control_plane => KubeadmUpgrade::Node,
+            None => {
+                return Err(StepError::Permanent(
+                    "the disruption lease did not say whether this control-plane machine runs kubeadm upgrade apply or node                      (link its pool to a cluster: spec.kubernetes.cluster)"
+                        .into(),
+                ));
+            }
+        };
+        self.report.event("Normal", "KubeadmUpgrade", format!("running kubeadm upgrade {mode} for {version}"));
+        kubeadm::upgrade(mode, version).await.map_err(|e| transient(format!("kubeadm upgrade {mode}: {e}")))?;
+        Ledger::update(&self.state_dir, |l| l.kubeadm_upgraded = Some(version.to_owned())).map_err(transient)?;
+        Ok(())
     }
 
     /// After the reboot: a new boot id means the machine rebooted; the kernel must be the one

@@ -1,6 +1,6 @@
 //! Reset: what the agent does to its machine when the machine is deleted from the fleet (and
 //! what `keelson-agent reset` does by hand). It stops and removes the components keelson
-//! installed (the kubelet, containerd), takes away keelson's holds, repositories, runtime
+//! installed (the kubelet, kubeadm, containerd), takes away keelson's holds, repositories, runtime
 //! configuration and managed files, and forgets the machine's identity. OS packages it pinned
 //! (the kernel among them) stay installed, unheld: removing them could leave the machine
 //! unbootable.
@@ -11,7 +11,7 @@
 use std::path::Path;
 
 use crate::drivers::packages::Manager;
-use crate::drivers::{containerd, files, kubelet, systemd};
+use crate::drivers::{containerd, files, kubeadm, kubelet, systemd};
 use crate::ledger::Ledger;
 use crate::observe::CONTAINERD_CONFIG;
 
@@ -111,6 +111,17 @@ pub async fn reset_machine(state_dir: &Path) -> Reset {
         }
         r.remove(kubelet::UNIT);
         r.remove(kubelet::DROPIN);
+    }
+    // kubeadm itself only: what it set up on the node (/etc/kubernetes) is the cluster's, which
+    // `kubeadm reset` (the operator's) takes away.
+    if let Some(k) = &spec.kubeadm {
+        match &k.source.package {
+            Some(p) => r.uninstall(pm, p.to_string()).await,
+            None => {
+                r.remove(kubeadm::BINARY);
+                r.remove(&files::previous_path(Path::new(kubeadm::BINARY)).to_string_lossy());
+            }
+        }
     }
     if let Some(rt) = &spec.container_runtime {
         r.record("stopped and disabled containerd", systemd::disable_now("containerd").await);

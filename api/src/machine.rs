@@ -53,6 +53,8 @@ pub struct MachineSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kubelet: Option<KubeletSpec>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kubeadm: Option<KubeadmSpec>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub etcd: Option<EtcdSpec>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub files: Vec<FileSpec>,
@@ -143,6 +145,36 @@ fn default_true() -> bool {
 pub struct KubeletSpec {
     pub version: KubeVersion,
     pub source: Source,
+}
+
+/// kubeadm: installed at `version`, and on a node that has joined its cluster, the node
+/// upgraded with it before the kubelet step (`kubeadm upgrade apply` on the control-plane
+/// machine the controller chooses, `kubeadm upgrade node` everywhere else).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct KubeadmSpec {
+    pub version: KubeVersion,
+    pub source: Source,
+}
+
+/// Which kubeadm upgrade a machine runs, as the controller says with its disruption lease:
+/// the first control-plane machine of a cluster to reach a version upgrades the cluster
+/// (`kubeadm upgrade apply vX.Y.Z`), every other machine then upgrades itself to it
+/// (`kubeadm upgrade node`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KubeadmUpgrade {
+    Apply,
+    Node,
+}
+
+impl fmt::Display for KubeadmUpgrade {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            KubeadmUpgrade::Apply => "apply",
+            KubeadmUpgrade::Node => "node",
+        })
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -421,6 +453,8 @@ pub struct Versions {
     pub container_runtime: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kubelet: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kubeadm: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub etcd: Option<String>,
 }

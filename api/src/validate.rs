@@ -226,6 +226,22 @@ fn check_spec(errors: &mut Errors, at: &str, spec: &MachineSpec) {
             errors.add(format!("{at}.kubelet"), "needs role worker or control-plane");
         }
     }
+    if let Some(k) = &spec.kubeadm {
+        check_source(errors, &format!("{at}.kubeadm.source"), &k.source);
+        if !spec.roles.iter().any(|r| matches!(r, Role::Worker | Role::ControlPlane)) {
+            errors.add(format!("{at}.kubeadm"), "needs role worker or control-plane");
+        }
+        // kubeadm upgrades the node's configuration to its own version before the kubelet
+        // follows: a kubelet ahead of it would run with a configuration older than itself.
+        if let Some(kubelet) = &spec.kubelet
+            && kube_minor(&kubelet.version) > kube_minor(&k.version)
+        {
+            errors.add(
+                format!("{at}.kubelet.version"),
+                format!("{} is newer than kubeadm {}: upgrade kubeadm to the kubelet's minor first", kubelet.version, k.version),
+            );
+        }
+    }
     match (&spec.etcd, spec.roles.contains(&Role::Etcd)) {
         (Some(etcd), true) => {
             check_source(errors, &format!("{at}.etcd.source"), &etcd.source);
@@ -288,12 +304,15 @@ fn check_component_version(errors: &mut Errors, at: &str, version: &str, source:
     }
 }
 
-/// Rules that compare a new spec with the one it replaces: the kubelet and etcd move at most
+/// Rules that compare a new spec with the one it replaces: the kubelet, kubeadm and etcd move at most
 /// one minor version at a time, and etcd is never downgraded across a minor.
 pub fn validate_spec_change(at: &str, old: &MachineSpec, new: &MachineSpec) -> Result<(), ValidationError> {
     let mut errors = Errors::default();
     if let (Some(o), Some(n)) = (&old.kubelet, &new.kubelet) {
         check_minor_step(&mut errors, &format!("{at}.kubelet.version"), "kubelet", kube_minor(&o.version), kube_minor(&n.version), false);
+    }
+    if let (Some(o), Some(n)) = (&old.kubeadm, &new.kubeadm) {
+        check_minor_step(&mut errors, &format!("{at}.kubeadm.version"), "kubeadm", kube_minor(&o.version), kube_minor(&n.version), false);
     }
     if let (Some(o), Some(n)) = (&old.etcd, &new.etcd)
         && let (Some(ov), Some(nv)) = (release_minor(&o.version), release_minor(&n.version))

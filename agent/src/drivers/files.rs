@@ -83,6 +83,18 @@ pub fn replace_keeping_previous(staged: &Path, target: &Path) -> std::io::Result
     std::fs::File::open(target.parent().unwrap_or(Path::new("/")))?.sync_all()
 }
 
+/// Installs a copy of `artifact` as the executable `target` (mode 0755), keeping the current
+/// one as the previous.
+pub fn install_executable(artifact: &Path, target: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut staged = target.as_os_str().to_owned();
+    staged.push(".keelson-new");
+    let staged = std::path::PathBuf::from(staged);
+    std::fs::copy(artifact, &staged)?;
+    std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(0o755))?;
+    replace_keeping_previous(&staged, target)
+}
+
 /// Puts the previous binary back; `false` when there was none.
 pub fn restore_previous(target: &Path) -> std::io::Result<bool> {
     let previous = previous_path(target);

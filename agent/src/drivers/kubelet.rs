@@ -66,11 +66,7 @@ pub async fn healthy() -> Result<(), String> {
 
 /// Puts `artifact` in place as the kubelet, keeping the current binary as the previous one.
 pub fn install_binary(artifact: &Path) -> std::io::Result<()> {
-    use std::os::unix::fs::PermissionsExt;
-    let staged = format!("{BINARY}.keelson-new");
-    std::fs::copy(artifact, &staged)?;
-    std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(0o755))?;
-    files::replace_keeping_previous(Path::new(&staged), Path::new(BINARY))
+    files::install_executable(artifact, Path::new(BINARY))
 }
 
 /// Puts the previous binary back.

@@ -8,6 +8,7 @@ pub mod containerd;
 pub mod dnf;
 pub mod etcd;
 pub mod files;
+pub mod kubeadm;
 pub mod kubelet;
 pub mod packages;
 pub mod script;
