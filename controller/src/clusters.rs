@@ -133,53 +133,66 @@ impl Registry {
 }
 
 impl Registry {
-    /// The version skew policy when a pool is applied: a kubelet newer than the API server is
-    /// refused unless a control-plane pool of the cluster is taking the server there (the
-    /// rollout then waits for it), and one more than three minors older is refused.
+    /// The version skew policy when a pool is applied: a kubelet (or kubeadm) newer than the API
+    /// server is refused unless a control-plane pool of the cluster is taking the server there
+    /// (the rollout then waits for it), and one more than three minors older is refused.
     async fn check_skew(&self, pool: &MachinePool, cluster: &KubernetesCluster) -> Result<(), ApiError> {
-        let (Some(kubelet), Some(server)) = (&pool.spec.template.spec.kubelet, &cluster.status.server_version) else { return Ok(()) };
+        let Some(server) = &cluster.status.server_version else { return Ok(()) };
         if is_control_plane(pool) {
             return Ok(());
         }
         let name = cluster.metadata.name_str();
-        const AT: &str = "spec.template.spec.kubelet.version";
-        match skew(&kubelet.version, server) {
-            Skew::Within => return Ok(()),
-            Skew::TooOld => {
-                return Err(ApiError::invalid(
-                    AT,
-                    format!("{} is more than three minor versions older than cluster {name}'s API server ({server})", kubelet.version),
-                ));
+        let mut newer = Vec::new();
+        for (what, version) in node_components(pool) {
+            let at = format!("spec.template.spec.{what}.version");
+            match skew(version, server) {
+                Skew::Within => {}
+                Skew::TooOld => {
+                    return Err(ApiError::invalid(
+                        at,
+                        format!("{version} is more than three minor versions older than cluster {name}'s API server ({server})"),
+                    ));
+                }
+                Skew::Newer => newer.push((at, version)),
             }
-            Skew::Newer => {}
         }
+        let Some((at, version)) = newer.into_iter().next() else { return Ok(()) };
         let (pools, _) = self.list::<MachinePool>(POOLS).await?;
         let heading = control_plane_pools(pool, &pools)
             .iter()
-            .filter_map(|p| p.spec.template.spec.kubelet.as_ref())
-            .any(|k| minor_of(&k.version) >= minor_of(&kubelet.version));
+            .flat_map(|p| node_components(p).into_iter().map(|(_, v)| v))
+            .any(|v| minor_of(v) >= minor_of(version));
         if heading {
             return Ok(());
         }
         Err(ApiError::invalid(
-            AT,
+            at,
             format!(
-                "{} would be newer than cluster {name}'s API server ({server}), and no control-plane pool of the cluster is \
-                 upgrading to it: upgrade the control plane first",
-                kubelet.version
+                "{version} would be newer than cluster {name}'s API server ({server}), and no control-plane pool of the cluster is \
+                 upgrading to it: upgrade the control plane first"
             ),
         ))
     }
 }
 
+/// The versioned Kubernetes components of a pool's template that the skew policy holds to the
+/// API server: the kubelet, and kubeadm (whose `upgrade node` a worker runs only once the
+/// control plane is at its version).
+fn node_components(pool: &MachinePool) -> Vec<(&'static str, &KubeVersion)> {
+    let spec = &pool.spec.template.spec;
+    let kubelet = spec.kubelet.as_ref().map(|k| ("kubelet", &k.version));
+    let kubeadm = spec.kubeadm.as_ref().map(|k| ("kubeadm", &k.version));
+    kubelet.into_iter().chain(kubeadm).collect()
+}
+
 /// The version skew policy for a pool of a cluster's nodes (DESIGN.md, "Kubernetes nodes"):
-/// why the pool's kubelet may not roll out now, if it may not. Control-plane pools upgrade the
-/// API server with their own kubelets, so only other pools are held to the server's version:
-/// a kubelet is never newer than the API server, nor more than three minors older.
+/// why the pool's kubelet (or kubeadm) may not roll out now, if it may not. Control-plane pools
+/// upgrade the API server with their own kubelets, so only other pools are held to the server's
+/// version: a kubelet is never newer than the API server, nor more than three minors older.
 pub fn skew_hold(pool: &MachinePool, clusters: &[Versioned<KubernetesCluster>]) -> Option<String> {
     let k = pool.spec.kubernetes.as_ref()?;
-    let kubelet = pool.spec.template.spec.kubelet.as_ref()?;
-    if is_control_plane(pool) {
+    let components = node_components(pool);
+    if components.is_empty() || is_control_plane(pool) {
         return None;
     }
     let Some(cluster) = clusters.iter().find(|c| c.object.metadata.name.as_ref() == Some(&k.cluster)) else {
@@ -188,17 +201,17 @@ pub fn skew_hold(pool: &MachinePool, clusters: &[Versioned<KubernetesCluster>]) 
     let Some(server) = &cluster.object.status.server_version else {
         return Some(format!("waiting to read the version of cluster {}'s API server (kubelet version skew policy)", k.cluster));
     };
-    match skew(&kubelet.version, server) {
+    components.into_iter().find_map(|(what, version)| match skew(version, server) {
         Skew::Within => None,
         Skew::Newer => Some(format!(
-            "kubelet {} would be newer than cluster {}'s API server ({server}): waiting for its control plane to be upgraded",
-            kubelet.version, k.cluster
+            "{what} {version} would be newer than cluster {}'s API server ({server}): waiting for its control plane to be upgraded",
+            k.cluster
         )),
         Skew::TooOld => Some(format!(
-            "kubelet {} would be more than three minor versions older than cluster {}'s API server ({server})",
-            kubelet.version, k.cluster
+            "{what} {version} would be more than three minor versions older than cluster {}'s API server ({server})",
+            k.cluster
         )),
-    }
+    })
 }
 
 /// Where a kubelet's version stands against its API server's under Kubernetes' skew policy.
@@ -285,6 +298,17 @@ mod tests {
         assert!(skew_hold(&pool("workers", "worker", "v1.31.0").object, &[]).is_some_and(|m| m.contains("not registered")));
         // A control-plane pool takes the API server along with its kubelets.
         assert_eq!(skew_hold(&pool("cp", "control-plane", "v1.32.0").object, &[cluster(Some("v1.31.2"))]), None);
+    }
+
+    #[test]
+    fn a_workers_kubeadm_waits_for_the_control_plane_too() {
+        let mut workers = pool("workers", "worker", "v1.31.0").object;
+        let kubeadm = |v: &str| serde_json::from_value(json!({"version": v, "source": {"package": "kubeadm"}})).ok();
+        workers.spec.template.spec.kubeadm = kubeadm("v1.32.0");
+        let held = skew_hold(&workers, &[cluster(Some("v1.31.2"))]).unwrap_or_default();
+        assert!(held.starts_with("kubeadm v1.32.0 would be newer than cluster prod's API server (v1.31.2)"), "{held}");
+        workers.spec.template.spec.kubeadm = kubeadm("v1.31.2");
+        assert_eq!(skew_hold(&workers, &[cluster(Some("v1.31.2"))]), None);
     }
 
     #[test]

@@ -44,7 +44,7 @@ use tokio_util::sync::CancellationToken;
 use crate::clusters::CLUSTERS;
 use crate::error::ApiError;
 use crate::http::App;
-use crate::leases::Lease;
+use crate::leases::{ApplyClaim, KUBEADM_APPLY, Lease};
 use crate::registry::{Versioned, encode};
 use crate::store::{Op, Precondition, StoreError};
 
@@ -344,9 +344,17 @@ impl Drainer {
             Err(e) => return tracing::warn!(error = %e, "could not list clusters"),
         };
         read.retain(|name, _| clusters.iter().any(|c| c.object.metadata.name_str() == name));
+        // A cluster whose control plane a machine is upgrading with kubeadm is read at every
+        // scan: the other control-plane machines wait for its new version.
+        let upgrading: Vec<ApplyClaim> = match self.app.registry.list::<ApplyClaim>(KUBEADM_APPLY).await {
+            Ok((claims, _)) => claims.into_iter().map(|c| c.object).collect(),
+            Err(e) => return tracing::warn!(error = %e, "could not list kubeadm upgrades"),
+        };
         for cluster in clusters {
             let Some(name) = cluster.object.metadata.name.clone() else { continue };
-            if !all && read.get(name.as_str()) == Some(&cluster.revision) {
+            let applying =
+                upgrading.iter().any(|c| c.cluster == name && cluster.object.status.server_version.as_ref().is_none_or(|v| v < &c.version));
+            if !all && !applying && read.get(name.as_str()) == Some(&cluster.revision) {
                 continue;
             }
             read.insert(name.to_string(), cluster.revision);

@@ -19,8 +19,11 @@
 
 use std::collections::HashSet;
 
+use keelson_api::cluster::KubernetesCluster;
+use keelson_api::machine::{KubeadmUpgrade, Role};
 use keelson_api::meta::{self, Name, Timestamp};
 use keelson_api::pool::{DrainSpec, MachinePool};
+use keelson_api::version::KubeVersion;
 use keelson_api::window::MaintenanceWindow;
 use serde::{Deserialize, Serialize};
 
@@ -48,6 +51,35 @@ pub struct Lease {
     pub granted_at: Timestamp,
     #[serde(with = "time::serde::rfc3339")]
     pub expires_at: Timestamp,
+    /// For a machine with kubeadm in its spec: the kubeadm upgrade it runs under this lease
+    /// (crate::leases::kubeadm_for).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kubeadm: Option<KubeadmUpgrade>,
+}
+
+/// Which machine of a cluster runs `kubeadm upgrade apply` for a version, stored under
+/// `/kubeadm-apply/<cluster>` in the transaction that grants it its lease. While the API server
+/// is older than `version`, every other control-plane machine waits for it; once the server
+/// reports the version, they run `kubeadm upgrade node`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ApplyClaim {
+    pub cluster: Name,
+    pub version: KubeVersion,
+    pub machine: Name,
+    #[serde(with = "time::serde::rfc3339")]
+    pub claimed_at: Timestamp,
+}
+
+pub const KUBEADM_APPLY: &str = "/kubeadm-apply/";
+
+/// What a machine's kubeadm upgrade needs to know at its grant.
+#[derive(Debug)]
+struct KubeadmPlan {
+    version: KubeVersion,
+    control_plane: bool,
+    /// The cluster its pool is linked to.
+    cluster: Option<Name>,
 }
 
 /// The value of a scope's budget key: how many leases its last grant left held. The count
@@ -83,6 +115,8 @@ struct Scope {
     windows: Vec<MaintenanceWindow>,
     /// When the pool drains its machines' Kubernetes nodes (crate::drain).
     drain: Option<DrainPlan>,
+    /// When the machine's spec has kubeadm.
+    kubeadm: Option<KubeadmPlan>,
 }
 
 /// What a grant in a draining pool needs to start a drain.
@@ -142,8 +176,22 @@ impl Registry {
     async fn lease_scope(&self, name: &Name) -> Result<Scope, ApiError> {
         let machine = self.machine(name.as_str()).await?;
         let (pools, _) = self.list::<MachinePool>(POOLS).await?;
+        let kubeadm = |cluster: Option<&Name>| {
+            machine.object.spec.kubeadm.as_ref().map(|k| KubeadmPlan {
+                version: k.version.clone(),
+                control_plane: machine.object.spec.roles.contains(&Role::ControlPlane),
+                cluster: cluster.cloned(),
+            })
+        };
         let Some(pool) = owning_pool(&pools, &machine.object.metadata.labels) else {
-            return Ok(Scope { name: format!("-{name}"), budget: 1, down: Vec::new(), windows: Vec::new(), drain: None });
+            return Ok(Scope {
+                name: format!("-{name}"),
+                budget: 1,
+                down: Vec::new(),
+                windows: Vec::new(),
+                drain: None,
+                kubeadm: kubeadm(None),
+            });
         };
         let (members, down) = {
             let mut census = self.census.lock().unwrap_or_else(|e| e.into_inner());
@@ -162,6 +210,7 @@ impl Registry {
                 let spec = k.drain.clone()?;
                 Some(DrainPlan { cluster: k.cluster.clone(), spec, node: crate::clusters::node_name(&machine.object) })
             }),
+            kubeadm: kubeadm(pool.spec.kubernetes.as_ref().map(|k| &k.cluster)),
         })
     }
 
@@ -261,9 +310,25 @@ impl Registry {
                 return Ok(Decision::Wait { message });
             } else {
                 let id: [u8; 8] = rand::random();
-                let lease = Lease { id: hex::encode(id), machine: name.clone(), reason: reason.to_owned(), granted_at: now, expires_at };
+                let mut lease = Lease {
+                    id: hex::encode(id),
+                    machine: name.clone(),
+                    reason: reason.to_owned(),
+                    granted_at: now,
+                    expires_at,
+                    kubeadm: None,
+                };
                 let mut ops =
                     vec![Op::Put { key: scope.budget_key(), value: encode(&Budget { held: held.len() + 1 }), precondition: budget }];
+                if let Some(plan) = &scope.kubeadm {
+                    match self.kubeadm_for(plan, name).await? {
+                        Ok((upgrade, claim)) => {
+                            lease.kubeadm = Some(upgrade);
+                            ops.extend(claim);
+                        }
+                        Err(message) => return Ok(Decision::Wait { message }),
+                    }
+                }
                 // The machine's own expired lease is overwritten below, the others deleted.
                 let mine_expired = expired.iter().find(|l| &l.object.machine == name).map(|l| l.revision);
                 ops.extend(
@@ -311,6 +376,62 @@ impl Registry {
             }
         }
         Err(ApiError::Conflict("leases are changing too often; try again".into()))
+    }
+
+    /// The kubeadm upgrade a new lease carries, and the write that claims the cluster's
+    /// `kubeadm upgrade apply` for this machine when it is the first control-plane machine to
+    /// reach the version; Err with why no lease can be granted yet. Workers always run
+    /// `upgrade node` (their pools wait for the control plane: crate::clusters::skew_hold).
+    async fn kubeadm_for(&self, plan: &KubeadmPlan, machine: &Name) -> Result<Result<(KubeadmUpgrade, Vec<Op>), String>, ApiError> {
+        if !plan.control_plane {
+            return Ok(Ok((KubeadmUpgrade::Node, Vec::new())));
+        }
+        let version = &plan.version;
+        let Some(cluster_name) = &plan.cluster else {
+            return Ok(Err(format!(
+                "control-plane machine {machine} upgrades with kubeadm {version}: link its pool to a cluster (spec.kubernetes.cluster) \
+                 so that the controller can choose the machine that runs kubeadm upgrade apply"
+            )));
+        };
+        let Some(cluster) = self.get::<KubernetesCluster>(&format!("{}{cluster_name}", crate::clusters::CLUSTERS)).await? else {
+            return Ok(Err(format!(
+                "cluster {cluster_name} is not registered (keelson cluster register {cluster_name} --kubeconfig FILE)"
+            )));
+        };
+        let Some(server) = &cluster.object.status.server_version else {
+            return Ok(Err(format!(
+                "waiting to read the version of cluster {cluster_name}'s API server (to choose the machine that runs kubeadm upgrade apply {version})"
+            )));
+        };
+        if server >= version {
+            return Ok(Ok((KubeadmUpgrade::Node, Vec::new())));
+        }
+        let key = format!("{KUBEADM_APPLY}{cluster_name}");
+        let claim = self.get::<ApplyClaim>(&key).await?;
+        if let Some(c) = &claim
+            && &c.object.version == version
+            && &c.object.machine != machine
+            && self.still_applying(&c.object).await?
+        {
+            return Ok(Err(format!(
+                "waiting for {} to run kubeadm upgrade apply {version} (cluster {cluster_name}'s API server reports {server})",
+                c.object.machine
+            )));
+        }
+        let record =
+            ApplyClaim { cluster: cluster_name.clone(), version: version.clone(), machine: machine.clone(), claimed_at: meta::now() };
+        let precondition = claim.map_or(Precondition::Absent, |c| Precondition::Revision(c.revision));
+        Ok(Ok((KubeadmUpgrade::Apply, vec![Op::Put { key, value: encode(&record), precondition }])))
+    }
+
+    /// The machine that claimed a cluster's `kubeadm upgrade apply` still exists and still wants
+    /// that version; else the claim is void and another control-plane machine takes it over.
+    async fn still_applying(&self, claim: &ApplyClaim) -> Result<bool, ApiError> {
+        let key = format!("{}{}", crate::registry::MACHINES, claim.machine);
+        let machine = self.get::<keelson_api::machine::Machine>(&key).await?;
+        Ok(machine.is_some_and(|m| {
+            m.object.metadata.deletion_timestamp.is_none() && m.object.spec.kubeadm.is_some_and(|k| k.version == claim.version)
+        }))
     }
 
     /// The drain a new lease in a draining pool starts, and the writes that store it with the
@@ -548,6 +669,7 @@ mod tests {
             reason: "reboot".into(),
             granted_at: now,
             expires_at: now + time::Duration::seconds(expires_in),
+            kubeadm: None,
         };
         let legacy = PoolLeases { leases: vec![lease("a", "0a", 60), lease("b", "0b", -5)] };
         store.put("/leases/web", encode(&legacy), Precondition::Absent).await?;
@@ -575,6 +697,7 @@ mod tests {
             reason: "reboot".into(),
             granted_at: now,
             expires_at: now + time::Duration::seconds(expires_in),
+            kubeadm: None,
         };
         // 130 holders died together: a grant deletes them 50 at a time, then grants.
         for i in 0..130 {
@@ -589,7 +712,7 @@ mod tests {
         // 130 live leases in the one-key layout are split in parts of 50.
         let legacy = PoolLeases { leases: (0..130).map(|i| lease(i, 60)).collect() };
         store.put("/leases/other", encode(&legacy), Precondition::Absent).await?;
-        let scope = Scope { name: "other".into(), budget: 1, down: Vec::new(), windows: Vec::new(), drain: None };
+        let scope = Scope { name: "other".into(), budget: 1, down: Vec::new(), windows: Vec::new(), drain: None, kubeadm: None };
         let before = store.revision();
         registry.split_legacy_leases(&scope).await?;
         assert_eq!(store.revision(), before + 4, "three parts and the last step");
