@@ -11,7 +11,11 @@
 //!   pods; otherwise 429 `TooManyRequests` with a `DisruptionBudget` cause; more than one
 //!   budget for a pod is a 500, as on a real server; an unhealthy pod may go while its budget
 //!   is met (`IfHealthyBudget`);
-//! - PodDisruptionBudgets (list) and DaemonSets (get), which drain reads.
+//! - PodDisruptionBudgets (list) and DaemonSets (get), which drain reads;
+//! - ConfigMaps (get, merge patch), for the kubeadm stand-in (tests/fixtures/kubeadm-standin):
+//!   while `kube-system/kubeadm-config` names a `kubernetesVersion` in its
+//!   `ClusterConfiguration`, `/version` reports that version, as a real API server does once
+//!   `kubeadm upgrade apply` has restarted it at the version it writes there.
 //!
 //! A deleted or evicted pod terminates for `grace` (it has a `deletionTimestamp` meanwhile,
 //! as a kubelet stopping it), then is gone. A pod owned by a ReplicaSet gets a replacement on
@@ -47,9 +51,10 @@ pub struct Cluster {
     pub pods: BTreeMap<Key, Value>,
     pub pdbs: BTreeMap<Key, Value>,
     pub daemonsets: BTreeMap<Key, Value>,
+    pub configmaps: BTreeMap<Key, Value>,
     /// What clients did and what followed, in order: `cordon NODE`, `uncordon NODE`,
     /// `evict NS/POD`, `refuse NS/POD` (a 429), `delete NS/POD`, `gone NS/POD`, `ready NS/POD`
-    /// (a replacement pod turned Ready).
+    /// (a replacement pod turned Ready), `configmap NS/NAME` (patched).
     pub log: Vec<String>,
     /// Requests for paths the double does not serve (a client needing more than it has).
     pub unserved: Vec<String>,
@@ -94,6 +99,7 @@ impl Cluster {
             pods: BTreeMap::new(),
             pdbs: BTreeMap::new(),
             daemonsets: BTreeMap::new(),
+            configmaps: BTreeMap::new(),
             log: Vec::new(),
             unserved: Vec::new(),
             grace: Duration::from_millis(200),
@@ -124,6 +130,24 @@ impl Cluster {
             self.history.remove(0);
         }
         let _ = self.events.send(event);
+    }
+
+    /// kube-system/kubeadm-config as `kubeadm init` leaves it, at `version`.
+    pub fn add_kubeadm_config(&mut self, version: &str) {
+        let mut config = json!({"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "kubeadm-config", "namespace": "kube-system"},
+            "data": {"ClusterConfiguration": format!("apiVersion: kubeadm.k8s.io/v1beta4\nkind: ClusterConfiguration\nkubernetesVersion: {version}\n")}});
+        self.stamp(&mut config);
+        self.configmaps.insert(key_of(&config), config);
+    }
+
+    /// The version `/version` reports: kubeadm-config's `kubernetesVersion` when it names one.
+    pub fn server_version(&self) -> String {
+        let config = self.configmaps.get(&("kube-system".to_owned(), "kubeadm-config".to_owned()));
+        let named = config.and_then(|c| c["data"]["ClusterConfiguration"].as_str()).and_then(|text| {
+            text.lines().find_map(|l| l.trim().strip_prefix("kubernetesVersion:")).map(|v| v.trim().trim_matches('"').to_owned())
+        });
+        named.unwrap_or_else(|| self.version.clone())
     }
 
     pub fn add_node(&mut self, name: &str, ready: bool) {
@@ -280,10 +304,17 @@ impl Drop for KubeApi {
 
 impl KubeApi {
     pub async fn start() -> anyhow::Result<KubeApi> {
+        Self::start_with_names(&[]).await
+    }
+
+    /// Started with its certificate valid for `names` too, besides 127.0.0.1 (where it listens):
+    /// for clients that reach this machine's loopback at another address (QEMU guests).
+    pub async fn start_with_names(names: &[String]) -> anyhow::Result<KubeApi> {
         use keelson_controller::pki::{Authority, server_tls_config};
         let dir = tempfile::tempdir()?;
         let (authority, _) = Authority::load_or_create_named(dir.path(), "kube-apiserver double CA")?;
-        let (cert, key) = authority.issue_server(&["127.0.0.1".to_owned()])?;
+        let sans: Vec<String> = std::iter::once("127.0.0.1".to_owned()).chain(names.iter().cloned()).collect();
+        let (cert, key) = authority.issue_server(&sans)?;
         let tls = Arc::new(server_tls_config(&authority.cert_pem, &cert.cert_pem, &key)?);
         let token: String = rand::Rng::sample_iter(rand::rng(), rand::distr::Alphanumeric).take(32).map(char::from).collect();
         let cluster = Arc::new(Mutex::new(Cluster::new()));
@@ -356,13 +387,14 @@ fn router(app: Arc<App>) -> Router {
         .route("/apis/policy/v1/poddisruptionbudgets", get(list_pdbs_everywhere))
         .route("/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets", get(list_pdbs_in))
         .route("/apis/apps/v1/namespaces/{ns}/daemonsets/{name}", get(get_daemonset))
+        .route("/api/v1/namespaces/{ns}/configmaps/{name}", get(get_configmap).patch(patch_configmap))
         .fallback(unserved)
         .layer(axum::middleware::from_fn_with_state(app.clone(), authenticate))
         .with_state(app)
 }
 
 async fn version(State(app): State<Arc<App>>) -> Response {
-    let git_version = app.cluster().version.clone();
+    let git_version = app.cluster().server_version();
     let mut parts = git_version.trim_start_matches('v').split('.');
     let (major, minor) = (parts.next().unwrap_or_default().to_owned(), parts.next().unwrap_or_default().to_owned());
     Json(json!({"major": major, "minor": minor, "gitVersion": git_version, "platform": "linux/amd64"})).into_response()
@@ -408,6 +440,7 @@ fn core_resources() -> Value {
             ("nodes", "Node", false, &["get", "list", "patch", "update", "watch"]),
             ("pods", "Pod", true, &["delete", "get", "list", "watch"]),
             ("pods/eviction", "Eviction", true, &["create"]),
+            ("configmaps", "ConfigMap", true, &["get", "patch"]),
         ],
     )
 }
@@ -634,6 +667,39 @@ async fn patch_node(State(app): State<Arc<App>>, Path(name): Path<String>, heade
     cluster.nodes.insert(name, node.clone());
     cluster.publish("Node", "MODIFIED", node.clone());
     Json(node).into_response()
+}
+
+async fn get_configmap(State(app): State<Arc<App>>, Path((ns, name)): Path<(String, String)>) -> Response {
+    match app.cluster().configmaps.get(&(ns, name.clone())) {
+        Some(c) => Json(c.clone()).into_response(),
+        None => not_found("configmaps", &name),
+    }
+}
+
+async fn patch_configmap(
+    State(app): State<Arc<App>>,
+    Path((ns, name)): Path<(String, String)>,
+    headers: HeaderMap,
+    body: String,
+) -> Response {
+    let content_type = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or_default();
+    if !matches!(content_type, "application/strategic-merge-patch+json" | "application/merge-patch+json") {
+        let message = format!("the double does not take {content_type:?} patches");
+        return status(StatusCode::UNSUPPORTED_MEDIA_TYPE, "UnsupportedMediaType", &message, Value::Null);
+    }
+    let Ok(patch) = serde_json::from_str::<Value>(&body) else {
+        return status(StatusCode::BAD_REQUEST, "BadRequest", "the patch is not JSON", Value::Null);
+    };
+    let mut cluster = app.cluster();
+    let key = (ns.clone(), name.clone());
+    let Some(mut config) = cluster.configmaps.get(&key).cloned() else { return not_found("configmaps", &name) };
+    merge_patch(&mut config, &patch);
+    config["metadata"]["name"] = json!(name);
+    config["metadata"]["namespace"] = json!(ns);
+    cluster.stamp(&mut config);
+    cluster.log.push(format!("configmap {ns}/{name}"));
+    cluster.configmaps.insert(key, config.clone());
+    Json(config).into_response()
 }
 
 async fn put_node(State(app): State<Arc<App>>, Path(name): Path<String>, Json(mut node): Json<Value>) -> Response {

@@ -35,14 +35,24 @@ struct Args {
     /// The version the API server reports.
     #[arg(long, default_value = "v1.30.4")]
     version: String,
+    /// A kubeadm-made control plane at this version: kube-system/kubeadm-config names it, and
+    /// the version reported follows what `kubeadm upgrade apply` writes there.
+    #[arg(long)]
+    kubeadm_version: Option<String>,
+    /// Another address the certificate is for (repeat): the guests reach loopback as 10.0.2.2.
+    #[arg(long = "san")]
+    sans: Vec<String>,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let api = KubeApi::start().await?;
+    let api = KubeApi::start_with_names(&args.sans).await?;
     api.with(|c| {
         c.version = args.version.clone();
+        if let Some(v) = &args.kubeadm_version {
+            c.add_kubeadm_config(v);
+        }
         c.add_daemonset("kube-system", "logs");
         let owner = |kind: &str, name: &str| json!([{"apiVersion": "apps/v1", "kind": kind, "name": name, "uid": format!("u-{name}"), "controller": true}]);
         for node in &args.nodes {
