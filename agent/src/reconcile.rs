@@ -791,7 +791,8 @@ impl Reconciler {
             None if !control_plane => KubeadmUpgrade::Node,
             None => {
                 return Err(StepError::Permanent(
-                    "the disruption lease did not say whether this control-plane machine runs kubeadm upgrade apply or node                      (link its pool to a cluster: spec.kubernetes.cluster)"
+                    "the disruption lease did not say whether this control-plane machine runs kubeadm upgrade apply or node \
+                     (link its pool to a cluster: spec.kubernetes.cluster)"
                         .into(),
                 ));
             }
