@@ -618,11 +618,7 @@ pub fn apply_model(observed: &Observed, steps: &[Step]) -> Observed {
             Action::Kubelet { version, unit, dropin, package, .. } => {
                 o.kubelet_version = Some(version.clone());
                 if let Some(p) = package {
-                    // The exact package version is chosen when the step runs; only the hold matters here.
-                    o.packages
-                        .entry(p.clone())
-                        .or_insert_with(|| crate::observe::Installed { version: version.clone(), held: true })
-                        .held = true;
+                    model_release_package(&mut o, p, version);
                 }
                 for (path, content) in [(crate::drivers::kubelet::UNIT, unit), (crate::drivers::kubelet::DROPIN, dropin)] {
                     if let Some(c) = content {
@@ -633,10 +629,7 @@ pub fn apply_model(observed: &Observed, steps: &[Step]) -> Observed {
             Action::KubeadmInstall { version, package, .. } => {
                 o.kubeadm_version = Some(version.clone());
                 if let Some(p) = package {
-                    o.packages
-                        .entry(p.clone())
-                        .or_insert_with(|| crate::observe::Installed { version: version.clone(), held: true })
-                        .held = true;
+                    model_release_package(&mut o, p, version);
                 }
             }
             Action::KubeadmUpgrade { version, .. } => {
@@ -657,6 +650,13 @@ pub fn apply_model(observed: &Observed, steps: &[Step]) -> Observed {
         }
     }
     o
+}
+
+/// A package installed as a component's release: the exact version is chosen when the step
+/// runs, so only its presence and hold matter to the model.
+fn model_release_package(o: &mut Observed, package: &str, version: &str) {
+    o.packages.entry(package.to_owned()).or_insert_with(|| crate::observe::Installed { version: version.to_owned(), held: true }).held =
+        true;
 }
 
 #[cfg(test)]

@@ -708,13 +708,20 @@ impl Reconciler {
         }
     }
 
-    async fn kubelet_package_step(&self, package: &str, version: &str, previous_package: Option<&str>) -> Result<(), StepError> {
+    /// Installs and holds the newest version of `package` that is release `version` of
+    /// `component`: the package manager and the package version chosen.
+    async fn install_release_package(package: &str, component: &str, version: &str) -> Result<(Manager, String), StepError> {
         let pm = Self::packages()?;
         pm.update().await?;
-        let chosen = Self::newest_of_release(pm, package, "kubelet", version).await?;
+        let chosen = Self::newest_of_release(pm, package, component, version).await?;
         let pin = plan::Pin { name: package.to_owned(), version: chosen.clone() };
         pm.install(std::slice::from_ref(&pin)).await?;
         pm.hold(&[package.to_owned()]).await?;
+        Ok((pm, chosen))
+    }
+
+    async fn kubelet_package_step(&self, package: &str, version: &str, previous_package: Option<&str>) -> Result<(), StepError> {
+        let (pm, chosen) = Self::install_release_package(package, "kubelet", version).await?;
         kubelet::restart().await.map_err(transient)?;
         let installed = kubelet::installed_version(std::path::Path::new("/"));
         let check = match installed.as_deref() {
@@ -745,12 +752,7 @@ impl Reconciler {
     async fn kubeadm_install_step(&self, version: &str, package: Option<&str>, digest: Option<&str>) -> Result<(), StepError> {
         let root = std::path::Path::new("/");
         if let Some(package) = package {
-            let pm = Self::packages()?;
-            pm.update().await?;
-            let chosen = Self::newest_of_release(pm, package, "kubeadm", version).await?;
-            let pin = plan::Pin { name: package.to_owned(), version: chosen.clone() };
-            pm.install(std::slice::from_ref(&pin)).await?;
-            pm.hold(&[package.to_owned()]).await?;
+            let (_, chosen) = Self::install_release_package(package, "kubeadm", version).await?;
             return match kubeadm::installed_version(root) {
                 Some(v) if v == version => Ok(()),
                 other => Err(StepError::Permanent(format!(

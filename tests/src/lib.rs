@@ -324,6 +324,27 @@ pub async fn wait_for_pool(
 }
 
 /// A spec that pins one containerd version from a package.
+/// Asks for a disruption lease as an agent does (`request`: reason and ttlSeconds) until it is
+/// granted: the lease, and every "wait" answer on the way.
+pub async fn lease_granted(
+    machine: &ApiClient,
+    request: &serde_json::Value,
+    secs: u64,
+) -> anyhow::Result<(serde_json::Value, Vec<String>)> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(secs);
+    let mut waits = Vec::new();
+    loop {
+        let answer = machine.post("/v1/agent/disruptions", request).await?;
+        match answer.status {
+            201 => return Ok((answer.body, waits)),
+            429 => waits.push(answer.body["message"].as_str().unwrap_or(&answer.text).to_owned()),
+            other => bail!("{other}: {}", answer.text),
+        }
+        anyhow::ensure!(std::time::Instant::now() < deadline, "no lease within {secs}s; waited for: {waits:#?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 pub fn runtime_spec(version: &str) -> serde_json::Value {
     serde_json::json!({
         "roles": ["worker"],

@@ -72,20 +72,11 @@ async fn ask(machine: &ApiClient) -> anyhow::Result<Answer> {
     machine.post("/v1/agent/disruptions", &json!({"reason": "restart the kubelet", "ttlSeconds": 30})).await
 }
 
-/// Asks for a lease as an agent does until it is granted; every "wait" answer on the way.
+/// Asks for a lease as an agent does until it is granted: its id, and every "wait" answer on the way.
 async fn granted(machine: &ApiClient, secs: u64) -> anyhow::Result<(String, Vec<String>)> {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    let mut waits = Vec::new();
-    loop {
-        let answer = ask(machine).await?;
-        match answer.status {
-            201 => return Ok((answer.body["id"].as_str().unwrap_or_default().to_owned(), waits)),
-            429 => waits.push(answer.body["message"].as_str().unwrap_or(&answer.text).to_owned()),
-            other => anyhow::bail!("{other}: {}", answer.text),
-        }
-        anyhow::ensure!(Instant::now() < deadline, "no lease within {secs}s; waited for: {waits:#?}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let request = json!({"reason": "restart the kubelet", "ttlSeconds": 30});
+    let (lease, waits) = keelson_tests::lease_granted(machine, &request, secs).await?;
+    Ok((lease["id"].as_str().unwrap_or_default().to_owned(), waits))
 }
 
 /// The machine's `Drained` condition: (status, reason, message).

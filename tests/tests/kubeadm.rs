@@ -23,24 +23,17 @@ fn pool(name: &str, role: &str, max_unavailable: u32) -> Value {
                     "template": {"spec": {"roles": [role], "kubeadm": {"version": "v1.31.2", "source": {"package": "kubeadm"}}}}}})
 }
 
+fn request() -> Value {
+    json!({"reason": "upgrade the node with kubeadm v1.31.2", "ttlSeconds": 60})
+}
+
 async fn ask(machine: &ApiClient) -> anyhow::Result<Answer> {
-    machine.post("/v1/agent/disruptions", &json!({"reason": "upgrade the node with kubeadm v1.31.2", "ttlSeconds": 60})).await
+    machine.post("/v1/agent/disruptions", &request()).await
 }
 
 /// Asks as an agent does until a lease is granted: the lease, and every "wait" on the way.
 async fn granted(machine: &ApiClient, secs: u64) -> anyhow::Result<(Value, Vec<String>)> {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    let mut waits = Vec::new();
-    loop {
-        let answer = ask(machine).await?;
-        match answer.status {
-            201 => return Ok((answer.body, waits)),
-            429 => waits.push(answer.body["message"].as_str().unwrap_or(&answer.text).to_owned()),
-            other => anyhow::bail!("{other}: {}", answer.text),
-        }
-        anyhow::ensure!(Instant::now() < deadline, "no lease within {secs}s; waited for: {waits:#?}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    keelson_tests::lease_granted(machine, &request(), secs).await
 }
 
 /// The machine reports itself Ready at its current generation.
