@@ -277,11 +277,14 @@ impl Registry {
 
     pub async fn list<T: DeserializeOwned>(&self, prefix: &str) -> Result<(Vec<Versioned<T>>, u64), ApiError> {
         let listing = self.store.list(prefix).await?;
-        let items = listing
-            .entries
-            .iter()
-            .map(|e| Ok(Versioned { object: decode(&e.key, &e.value)?, revision: e.mod_revision }))
-            .collect::<Result<Vec<_>, ApiError>>()?;
+        let mut items = Vec::with_capacity(listing.entries.len());
+        for e in listing.entries.iter() {
+            items.push(Versioned { object: decode(&e.key, &e.value)?, revision: e.mod_revision });
+            // Decoding a whole fleet takes a runtime thread for hundreds of milliseconds;
+            // this gives the thread back to waiting requests every so often (each decode
+            // counts as one unit of the task's cooperative budget).
+            tokio::task::coop::consume_budget().await;
+        }
         Ok((items, listing.revision))
     }
 
