@@ -563,7 +563,7 @@ impl Follower {
 
     async fn follow(&self, progress: &mut mpsc::Receiver<()>, stop: &CancellationToken) -> Ended {
         let from = self.mirror.revision() + 1;
-        let options = WatchOptions::new().with_prefix().with_prev_key().with_start_revision(i64::try_from(from).unwrap_or(i64::MAX));
+        let options = WatchOptions::new().with_prefix().with_start_revision(i64::try_from(from).unwrap_or(i64::MAX));
         let mut stream = match self.client.watch_client().watch(format!("{}/", self.prefix), Some(options)).await {
             Ok(s) => s,
             Err(e) => return Ended::Broken(e.to_string()),
@@ -613,15 +613,18 @@ impl Follower {
             let change = match event.event_type() {
                 EventType::Put => Change { deleted: false, entry: entry(&self.prefix, kv)? },
                 EventType::Delete => {
-                    let deleted_at = revision_of(kv.mod_revision());
-                    let mut before = match event.prev_kv() {
-                        Some(prev) => entry(&self.prefix, prev)?,
-                        None => {
-                            let key = entry(&self.prefix, kv)?.key;
-                            self.mirror.get(&key).unwrap_or(Entry { key, value: Arc::from(&[][..]), create_revision: 0, mod_revision: 0 })
-                        }
-                    };
-                    before.mod_revision = deleted_at;
+                    // The value deleted is the mirror's, or an earlier put in this response:
+                    // the mirror holds every change before the watch's start, so the watch
+                    // does not ask etcd for previous values (a read in etcd for every event).
+                    let key = entry(&self.prefix, kv)?.key;
+                    let mut before = changes
+                        .iter()
+                        .rev()
+                        .find(|c: &&Change| c.entry.key == key)
+                        .map(|c| c.entry.clone())
+                        .or_else(|| self.mirror.get(&key))
+                        .unwrap_or(Entry { key, value: Arc::from(&[][..]), create_revision: 0, mod_revision: 0 });
+                    before.mod_revision = revision_of(kv.mod_revision());
                     Change { deleted: true, entry: before }
                 }
             };
