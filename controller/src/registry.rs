@@ -584,7 +584,7 @@ impl Registry {
                 machine.status.last_heartbeat_time = Some(now);
                 vec![Op::Put { key: key.clone(), value: encode(&machine), precondition: Precondition::Revision(current.revision) }]
             };
-            match self.store.txn(ops).await {
+            match self.store.txn_yielding(ops).await {
                 Ok(_) => {
                     if machine.status.pool.is_some() && progress(&machine) != progress(&current.object) {
                         self.rollout_wake.notify_one();

@@ -7,14 +7,15 @@
 //!
 //! Writes are etcd transactions: a store precondition becomes a compare on the key's create or
 //! modification revision, so compare-and-swap across replicas is etcd's, not ours. Writes that
-//! queue while others are in flight leave together as one transaction (`batch_writes`). Reads
+//! queue while others are in flight leave together as one transaction (`batch_writes`);
+//! yielding ones (agents' reports) wait a little to leave together (`gather`). Reads
 //! and watches are served from the same in-memory `Mirror` the SQLite store uses, fed by one
 //! etcd watch on the prefix. A replica's mirror can trail etcd by the watch's delay, so every
 //! write (and every refused one) waits until the mirror holds its revision before it answers:
 //! a caller that writes and then reads sees its write, and one that lost a compare-and-swap
 //! re-reads at least what beat it.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -90,8 +91,10 @@ impl EtcdOptions {
 
 pub struct EtcdStore {
     writer: Writer,
-    /// Transactions waiting for the batcher (`batch_writes`).
-    queue: mpsc::UnboundedSender<Pending>,
+    /// Transactions waiting for the batcher (`batch_writes`)…
+    queue: mpsc::UnboundedSender<Vec<Pending>>,
+    /// …and those that leave after them (`Store::txn_yielding`).
+    yielding: mpsc::UnboundedSender<Pending>,
     stop: CancellationToken,
 }
 
@@ -113,6 +116,18 @@ type TxnParts = (Vec<Compare>, Vec<TxnOp>, Vec<TxnOp>);
 struct Pending {
     ops: Vec<Op>,
     done: oneshot::Sender<Result<u64, StoreError>>,
+}
+
+impl Pending {
+    fn new(ops: Vec<Op>) -> Result<(Pending, oneshot::Receiver<Result<u64, StoreError>>), StoreError> {
+        let mut seen = HashSet::new();
+        if let Some(op) = ops.iter().find(|op| !seen.insert(op.key())) {
+            // etcd refuses a transaction that writes one key twice.
+            return Err(StoreError::Backend(format!("{} is written twice in one transaction", op.key())));
+        }
+        let (done, answer) = oneshot::channel();
+        Ok((Pending { ops, done }, answer))
+    }
 }
 
 impl std::fmt::Debug for EtcdStore {
@@ -167,8 +182,11 @@ impl EtcdStore {
         }
         let writer = Writer { client, prefix, mirror, progress };
         let (queue, queued) = mpsc::unbounded_channel();
-        tokio::spawn(batch_writes(writer.clone(), queued, stop.clone()));
-        Ok(EtcdStore { writer, queue, stop })
+        let (yielding, gathering) = mpsc::unbounded_channel();
+        let (gathered, yielded) = mpsc::unbounded_channel();
+        tokio::spawn(gather(gathering, gathered, stop.clone()));
+        tokio::spawn(batch_writes(writer.clone(), [queued, yielded], stop.clone()));
+        Ok(EtcdStore { writer, queue, yielding, stop })
     }
 
     /// The client, for the leader election of the replicas sharing this store.
@@ -317,8 +335,7 @@ impl Writer {
 }
 
 /// How many transactions (single or batched) one replica has in flight to etcd at once.
-/// While they are, new ones queue and leave together: 1,000 heartbeats a second from a
-/// 10,000-machine fleet become a few dozen etcd transactions, not 1,000 raft rounds.
+/// While they are, new ones queue and leave together.
 const WRITES_IN_FLIGHT: usize = 4;
 /// The most writes in one batch (etcd's `--max-txn-ops` is 128 by default)…
 const BATCH_MAX_OPS: usize = 100;
@@ -326,21 +343,22 @@ const BATCH_MAX_OPS: usize = 100;
 const BATCH_MAX_BYTES: usize = 512 << 10;
 
 /// Sends queued transactions, gathering those that waited together into one etcd
-/// transaction when their keys are distinct.
-async fn batch_writes(writer: Writer, mut queue: mpsc::UnboundedReceiver<Pending>, stop: CancellationToken) {
+/// transaction when their keys are distinct. `queues`: the first's transactions leave before
+/// any of the second's.
+async fn batch_writes(writer: Writer, mut queues: [mpsc::UnboundedReceiver<Vec<Pending>>; 2], stop: CancellationToken) {
     let permits = Arc::new(Semaphore::new(WRITES_IN_FLIGHT));
-    let mut held_back: Option<Pending> = None;
+    let mut waiting: [VecDeque<Pending>; 2] = Default::default();
     loop {
-        let first = match held_back.take() {
-            Some(p) => p,
-            None => tokio::select! {
+        if waiting.iter().all(VecDeque::is_empty) {
+            let [first, second] = &mut queues;
+            tokio::select! {
+                biased;
                 _ = stop.cancelled() => return,
-                next = queue.recv() => match next {
-                    Some(p) => p,
-                    None => return,
-                },
-            },
-        };
+                Some(group) = first.recv() => waiting[0].extend(group),
+                Some(group) = second.recv() => waiting[1].extend(group),
+                else => return,
+            }
+        }
         let permit = tokio::select! {
             _ = stop.cancelled() => return,
             permit = permits.clone().acquire_owned() => match permit {
@@ -348,20 +366,24 @@ async fn batch_writes(writer: Writer, mut queue: mpsc::UnboundedReceiver<Pending
                 Err(_) => return,
             },
         };
+        for (queue, waiting) in queues.iter_mut().zip(&mut waiting) {
+            while let Ok(group) = queue.try_recv() {
+                waiting.extend(group);
+            }
+        }
+        let Some(waiting) = waiting.iter_mut().find(|w| !w.is_empty()) else { continue };
         let size = |p: &Pending| p.ops.iter().map(|op| if let Op::Put { value, .. } = op { value.len() } else { 0 }).sum::<usize>();
-        let mut keys: HashSet<String> = first.ops.iter().map(|op| op.key().to_owned()).collect();
-        let (mut ops, mut bytes) = (first.ops.len(), size(&first));
-        let mut batch = vec![first];
-        while let Ok(next) = queue.try_recv() {
-            let fits = ops + next.ops.len() <= BATCH_MAX_OPS && bytes + size(&next) <= BATCH_MAX_BYTES;
+        let (mut keys, mut ops, mut bytes) = (HashSet::new(), 0, 0);
+        let mut batch = Vec::new();
+        while let Some(next) = waiting.front() {
+            let fits = batch.is_empty() || (ops + next.ops.len() <= BATCH_MAX_OPS && bytes + size(next) <= BATCH_MAX_BYTES);
             if !fits || next.ops.iter().any(|op| keys.contains(op.key())) {
-                held_back = Some(next);
                 break;
             }
             keys.extend(next.ops.iter().map(|op| op.key().to_owned()));
             ops += next.ops.len();
-            bytes += size(&next);
-            batch.push(next);
+            bytes += size(next);
+            batch.extend(waiting.pop_front());
         }
         let writer = writer.clone();
         tokio::spawn(async move {
@@ -371,6 +393,40 @@ async fn batch_writes(writer: Writer, mut queue: mpsc::UnboundedReceiver<Pending
                 writer.commit_batch(batch, permit).await;
             }
         });
+    }
+}
+
+/// How long a yielding write (`Store::txn_yielding`) waits for others to leave with. The
+/// few in flight leave room for only a few heartbeats each otherwise: a 10,000-machine
+/// fleet's 1,000 a second were about 600 raft rounds a second, and are about 75 with this.
+const GATHER_FOR: Duration = Duration::from_millis(10);
+
+/// Holds transactions for up to `GATHER_FOR` after the first of them, or until they fill a
+/// batch, and queues them as one group.
+async fn gather(mut gathering: mpsc::UnboundedReceiver<Pending>, queue: mpsc::UnboundedSender<Vec<Pending>>, stop: CancellationToken) {
+    loop {
+        let first = tokio::select! {
+            _ = stop.cancelled() => return,
+            next = gathering.recv() => match next {
+                Some(p) => p,
+                None => return,
+            },
+        };
+        let until = tokio::time::Instant::now() + GATHER_FOR;
+        let mut ops = first.ops.len();
+        let mut group = vec![first];
+        while ops < BATCH_MAX_OPS {
+            match tokio::time::timeout_at(until, gathering.recv()).await {
+                Ok(Some(p)) => {
+                    ops += p.ops.len();
+                    group.push(p);
+                }
+                Ok(None) | Err(_) => break,
+            }
+        }
+        if queue.send(group).is_err() {
+            return;
+        }
     }
 }
 
@@ -503,13 +559,14 @@ impl Store for EtcdStore {
     }
 
     async fn txn(&self, ops: Vec<Op>) -> Result<u64, StoreError> {
-        let mut seen = HashSet::new();
-        if let Some(op) = ops.iter().find(|op| !seen.insert(op.key())) {
-            // etcd refuses a transaction that writes one key twice.
-            return Err(StoreError::Backend(format!("{} is written twice in one transaction", op.key())));
-        }
-        let (done, answer) = oneshot::channel();
-        self.queue.send(Pending { ops, done }).map_err(|_| StoreError::Closed)?;
+        let (pending, answer) = Pending::new(ops)?;
+        self.queue.send(vec![pending]).map_err(|_| StoreError::Closed)?;
+        answer.await.map_err(|_| StoreError::Closed)?
+    }
+
+    async fn txn_yielding(&self, ops: Vec<Op>) -> Result<u64, StoreError> {
+        let (pending, answer) = Pending::new(ops)?;
+        self.yielding.send(pending).map_err(|_| StoreError::Closed)?;
         answer.await.map_err(|_| StoreError::Closed)?
     }
 

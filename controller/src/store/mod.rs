@@ -173,6 +173,12 @@ pub trait Store: Send + Sync + std::fmt::Debug + 'static {
     /// Applies every op atomically at one new revision, or none of them when any
     /// precondition fails. Returns the revision.
     async fn txn(&self, ops: Vec<Op>) -> Result<u64, StoreError>;
+    /// `txn` for a write that can wait a few milliseconds: it may be held to leave with
+    /// others of its kind, and leaves after other writes that are waiting (an agent's status
+    /// report, behind the writes that give machines a new spec).
+    async fn txn_yielding(&self, ops: Vec<Op>) -> Result<u64, StoreError> {
+        self.txn(ops).await
+    }
     /// Every change under `prefix` after revision `after`.
     async fn watch(&self, prefix: &str, after: u64) -> Result<Watch, StoreError>;
     /// The newest committed revision.
