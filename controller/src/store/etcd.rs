@@ -26,6 +26,7 @@ use etcd_client::{
     TxnOpResponse, WatchOptions, WatchResponse,
 };
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::mirror::Mirror;
@@ -116,6 +117,8 @@ type TxnParts = (Vec<Compare>, Vec<TxnOp>, Vec<TxnOp>);
 struct Pending {
     ops: Vec<Op>,
     done: oneshot::Sender<Result<u64, StoreError>>,
+    /// When its caller asked for it.
+    asked: Instant,
 }
 
 impl Pending {
@@ -126,7 +129,7 @@ impl Pending {
             return Err(StoreError::Backend(format!("{} is written twice in one transaction", op.key())));
         }
         let (done, answer) = oneshot::channel();
-        Ok((Pending { ops, done }, answer))
+        Ok((Pending { ops, done, asked: Instant::now() }, answer))
     }
 }
 
@@ -212,12 +215,12 @@ impl Writer {
     /// one (`retryable`), for up to `REQUEST_RETRY_FOR`; says whether it was sent more than
     /// once.
     async fn send(&self, txn: Txn) -> Result<(etcd_client::TxnResponse, bool), StoreError> {
-        let deadline = tokio::time::Instant::now() + REQUEST_RETRY_FOR;
+        let deadline = Instant::now() + REQUEST_RETRY_FOR;
         let mut retried = false;
         loop {
             match self.client.kv_client().txn(txn.clone()).await {
                 Ok(response) => return Ok((response, retried)),
-                Err(e) if retryable(&e) && tokio::time::Instant::now() < deadline => {
+                Err(e) if retryable(&e) && Instant::now() < deadline => {
                     tracing::debug!(error = %e, "etcd transaction failed; sending it again");
                     retried = true;
                     tokio::time::sleep(RETRY_DELAY).await;
@@ -342,9 +345,21 @@ const BATCH_MAX_OPS: usize = 100;
 /// …and the most bytes of values (its `--max-request-bytes` is 1.5 MiB).
 const BATCH_MAX_BYTES: usize = 512 << 10;
 
+/// How long a yielding write waits at most while others keep leaving first: writes that
+/// never stop (an operator's script, say) must not starve agents' reports.
+const YIELD_AT_MOST: Duration = Duration::from_millis(500);
+
+/// Which waiting transactions leave next: the first queue's, unless the second's oldest has
+/// yielded for `YIELD_AT_MOST`.
+fn next_to_leave(waiting: &mut [VecDeque<Pending>; 2], now: Instant) -> Option<&mut VecDeque<Pending>> {
+    let [first, yielding] = waiting;
+    let overdue = yielding.front().is_some_and(|p| now.duration_since(p.asked) >= YIELD_AT_MOST);
+    if overdue || first.is_empty() { Some(yielding).filter(|w| !w.is_empty()) } else { Some(first) }
+}
+
 /// Sends queued transactions, gathering those that waited together into one etcd
 /// transaction when their keys are distinct. `queues`: the first's transactions leave before
-/// any of the second's.
+/// the second's, unless those have waited for `YIELD_AT_MOST`.
 async fn batch_writes(writer: Writer, mut queues: [mpsc::UnboundedReceiver<Vec<Pending>>; 2], stop: CancellationToken) {
     let permits = Arc::new(Semaphore::new(WRITES_IN_FLIGHT));
     let mut waiting: [VecDeque<Pending>; 2] = Default::default();
@@ -371,7 +386,7 @@ async fn batch_writes(writer: Writer, mut queues: [mpsc::UnboundedReceiver<Vec<P
                 waiting.extend(group);
             }
         }
-        let Some(waiting) = waiting.iter_mut().find(|w| !w.is_empty()) else { continue };
+        let Some(waiting) = next_to_leave(&mut waiting, Instant::now()) else { continue };
         let size = |p: &Pending| p.ops.iter().map(|op| if let Op::Put { value, .. } = op { value.len() } else { 0 }).sum::<usize>();
         let (mut keys, mut ops, mut bytes) = (HashSet::new(), 0, 0);
         let mut batch = Vec::new();
@@ -412,7 +427,7 @@ async fn gather(mut gathering: mpsc::UnboundedReceiver<Pending>, queue: mpsc::Un
                 None => return,
             },
         };
-        let until = tokio::time::Instant::now() + GATHER_FOR;
+        let until = Instant::now() + GATHER_FOR;
         let mut ops = first.ops.len();
         let mut group = vec![first];
         while ops < BATCH_MAX_OPS {
@@ -720,7 +735,11 @@ impl Follower {
 mod tests {
     use tonic::{Code, Status};
 
-    use super::{StoreError, refused, retryable};
+    use std::collections::VecDeque;
+
+    use tokio::time::Instant;
+
+    use super::{Op, Pending, Precondition, StoreError, YIELD_AT_MOST, next_to_leave, refused, retryable};
 
     fn status(code: Code, message: &str) -> etcd_client::Error {
         etcd_client::Error::GRpcStatus(Status::new(code, message))
@@ -744,5 +763,28 @@ mod tests {
         assert!(unavailable(status(Code::Unavailable, "etcdserver: no leader")));
         assert!(unavailable(status(Code::Unknown, "etcdserver: too many requests")));
         assert!(matches!(refused(status(Code::InvalidArgument, "etcdserver: duplicate key given in txn request")), StoreError::Backend(_)));
+    }
+
+    fn waiting(key: &str, asked: Instant) -> VecDeque<Pending> {
+        let (mut pending, _) =
+            Pending::new(vec![Op::Check { key: key.into(), precondition: Precondition::None }]).expect("one op on one key");
+        pending.asked = asked;
+        VecDeque::from([pending])
+    }
+
+    fn leaves(waiting: &mut [VecDeque<Pending>; 2], now: Instant) -> Option<String> {
+        next_to_leave(waiting, now).and_then(|w| w.front()).map(|p| p.ops[0].key().to_owned())
+    }
+
+    #[test]
+    fn a_yielding_write_leaves_after_the_others_unless_it_waited_too_long() {
+        let now = Instant::now() + 2 * YIELD_AT_MOST;
+        let mut both = [waiting("/first", now), waiting("/report", now - YIELD_AT_MOST / 2)];
+        assert_eq!(leaves(&mut both, now).as_deref(), Some("/first"));
+        let mut overdue = [waiting("/first", now), waiting("/report", now - YIELD_AT_MOST)];
+        assert_eq!(leaves(&mut overdue, now).as_deref(), Some("/report"));
+        let mut alone = [VecDeque::new(), waiting("/report", now)];
+        assert_eq!(leaves(&mut alone, now).as_deref(), Some("/report"));
+        assert!(leaves(&mut [VecDeque::new(), VecDeque::new()], now).is_none());
     }
 }
