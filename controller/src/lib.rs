@@ -7,6 +7,7 @@ pub mod clusters;
 pub mod drain;
 pub mod error;
 pub mod etcd_pki;
+pub mod events;
 pub mod http;
 pub mod leader;
 pub mod leases;

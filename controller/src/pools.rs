@@ -479,13 +479,19 @@ impl Registry {
     async fn give_revisions(&self, listed: &[&Versioned<Machine>], pool: &MachinePool) -> Result<(), ApiError> {
         // Each transaction: the machines' names (to retry one by one), its ops, its bytes.
         let mut batches: Vec<(Vec<String>, Vec<Op>, usize)> = Vec::new();
+        // Machines whose event history is to be trimmed once their events are written.
+        let mut to_trim = Vec::new();
         for v in listed {
             let mut machine = v.object.clone();
             let Some(spec_changed) = take_revision(&mut machine, pool) else { continue };
             let name = machine.metadata.name_str();
             let mut ops = Vec::with_capacity(2);
             if spec_changed {
-                ops.push(self.events_op(name, &[spec_changed_event(&machine, pool)]).await?);
+                let append = self.events_append(name, &[spec_changed_event(&machine, pool)]).await?;
+                ops.extend(append.ops);
+                if append.trim {
+                    to_trim.push(name.to_owned());
+                }
             }
             ops.push(Op::Put {
                 key: format!("{MACHINES}{name}"),
@@ -520,7 +526,11 @@ impl Registry {
             })
             .buffer_unordered(GIVE_TXNS_IN_PARALLEL)
             .try_collect::<()>()
-            .await
+            .await?;
+        for name in to_trim {
+            self.trim_events(&name).await?;
+        }
+        Ok(())
     }
 
     /// Gives one machine its pool's current template, as it is stored now.

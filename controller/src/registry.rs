@@ -40,8 +40,6 @@ pub const ROLLOUTS: &str = "/rollouts/";
 /// Per etcd cluster: which machine started it (the claim is made once, atomically).
 pub const ETCD_CLUSTERS: &str = "/etcd-clusters/";
 
-/// Events kept per machine.
-const EVENTS_KEPT: usize = 200;
 /// Attempts at a read-modify-write before giving up on a busy key.
 pub(crate) const CAS_ATTEMPTS: usize = 16;
 const DEFAULT_TOKEN_TTL_SECS: u64 = 24 * 3600;
@@ -656,36 +654,6 @@ impl Registry {
 
     pub async fn record_event(&self, name: &str, type_: &str, reason: &str, message: &str, source: &str) -> Result<(), ApiError> {
         self.append_events(name, vec![event(type_, reason, message.to_owned(), source)]).await
-    }
-
-    pub async fn append_events(&self, name: &str, events: Vec<Event>) -> Result<(), ApiError> {
-        for _ in 0..CAS_ATTEMPTS {
-            match self.store.txn(vec![self.events_op(name, &events).await?]).await {
-                Ok(_) => return Ok(()),
-                Err(StoreError::Conflict { .. }) => continue,
-                Err(e) => return Err(e.into()),
-            }
-        }
-        Err(ApiError::Conflict(format!("events of {name} are changing too often; try again")))
-    }
-
-    /// The write that appends `events` to a machine's history as it is stored now (the
-    /// oldest dropped beyond `EVENTS_KEPT`), conditional on the history not changing meanwhile.
-    pub(crate) async fn events_op(&self, name: &str, events: &[Event]) -> Result<Op, ApiError> {
-        let key = format!("{EVENTS}{name}");
-        let (mut list, precondition) = match self.get::<Vec<Event>>(&key).await? {
-            Some(v) => (v.object, Precondition::Revision(v.revision)),
-            None => (Vec::new(), Precondition::Absent),
-        };
-        list.extend_from_slice(events);
-        if list.len() > EVENTS_KEPT {
-            list.drain(..list.len() - EVENTS_KEPT);
-        }
-        Ok(Op::Put { key, value: encode(&list), precondition })
-    }
-
-    pub async fn events(&self, name: &str) -> Result<Vec<Event>, ApiError> {
-        Ok(self.get::<Vec<Event>>(&format!("{EVENTS}{name}")).await?.map(|v| v.object).unwrap_or_default())
     }
 
     pub async fn create_token(&self, req: TokenRequest) -> Result<TokenCreated, ApiError> {

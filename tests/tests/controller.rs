@@ -469,6 +469,42 @@ keelson_tests::on_both_stores! {
 
 keelson_tests::on_both_stores! {
     #[tokio::test]
+    async fn a_history_of_large_events_keeps_its_newest_past_the_store_request_limit(store) -> R {
+        // 240 events with messages of 8,000 bytes: about 1.9 MB, past etcd's 1.5 MiB limit
+        // on one request, which a history kept as one value would meet at about 190 events.
+        let dir = tmp();
+        let c = store.start(dir.path(), &[])?;
+        let admin = c.admin()?;
+        let m1 = c.enroll("m1", &c.token(&[])?, tmp().path())?;
+        for batch in 0..4 {
+            let events: Vec<serde_json::Value> = (0..60)
+                .map(|i| {
+                    let n = batch * 60 + i;
+                    json!({"time": "2026-12-06T00:00:00Z", "type": "Normal", "reason": "Step",
+                           "message": format!("{n:04} {}", "x".repeat(7_995)), "source": "agent"})
+                })
+                .collect();
+            let answer = m1.post("/v1/agent/events", &json!({"events": events})).await?;
+            assert_eq!(answer.status, 204, "batch {batch}: {}", answer.text);
+        }
+        let history = admin.get("/v1/machines/m1/events").await?;
+        assert_eq!(history.status, 200, "{}", history.text);
+        let steps: Vec<&str> = history
+            .body
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|e| e["reason"] == "Step")
+            .filter_map(|e| e["message"].as_str()?.get(..4))
+            .collect();
+        let expected: Vec<String> = (40..240).map(|n| format!("{n:04}")).collect();
+        assert_eq!(steps, expected, "the newest 200, oldest first");
+        Ok(())
+    }
+}
+
+keelson_tests::on_both_stores! {
+    #[tokio::test]
     async fn silent_machines_become_unreachable_and_come_back(store) -> R {
         let dir = tmp();
         let c = store.start(dir.path(), &["--unreachable-after-seconds", "1"])?;
