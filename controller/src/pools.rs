@@ -488,7 +488,7 @@ impl Registry {
             let mut ops = Vec::with_capacity(2);
             if spec_changed {
                 let append = self.events_append(name, &[spec_changed_event(&machine, pool)]).await?;
-                ops.extend(append.ops);
+                ops.push(append.op);
                 if append.trim {
                     to_trim.push(name.to_owned());
                 }
