@@ -7,7 +7,7 @@
 //!
 //! Segments rather than one key per event because every stored key is held in the
 //! controller's memory with its own overhead: at 10,000 machines with full histories, one key
-//! per event took 974 MiB of RSS where lists took 433 (docs/benchmarks.md).
+//! per event took 950 MiB of RSS where lists took 422 and segments 447 (docs/benchmarks.md).
 //!
 //! Earlier builds kept a history as one list, `/events/<machine>`, rewritten whole on every
 //! event. Such a list is read as the oldest part of the history, and deleted once segments
