@@ -15,6 +15,7 @@
 
 use std::time::Duration;
 
+use futures_util::{StreamExt, TryStreamExt};
 use keelson_api::wire::Event;
 
 use crate::error::ApiError;
@@ -29,6 +30,8 @@ const SEGMENT_EVENTS: usize = 20;
 const SEGMENT_BYTES: usize = 64 * 1024;
 /// Deletes per trimming transaction, within etcd's default limit of 128 operations.
 const TRIM_OPS_PER_TXN: usize = 100;
+/// Trimming transactions in flight at once (a rollout pass trims many machines together).
+const TRIMS_IN_PARALLEL: usize = 4;
 
 fn history_prefix(name: &str) -> String {
     format!("{EVENTS}{name}/")
@@ -99,9 +102,15 @@ impl Registry {
     }
 
     /// Deletes the oldest segments that the newest `EVENTS_KEPT` events do not need, and an
-    /// earlier build's list once segments alone hold that many. Trimming twice at once does
-    /// no harm: a delete of a key already gone changes nothing.
+    /// earlier build's list once segments alone hold that many.
     pub(crate) async fn trim_events(&self, name: &str) -> Result<(), ApiError> {
+        let deletes = self.events_trim(name).await?;
+        self.delete_in_chunks(deletes).await
+    }
+
+    /// The deletes that trim a machine's history, as it is stored now. Trimming twice at once
+    /// does no harm: a delete of a key already gone changes nothing.
+    pub(crate) async fn events_trim(&self, name: &str) -> Result<Vec<Op>, ApiError> {
         let segments = self.store.list(&history_prefix(name)).await?.entries;
         let mut newer = 0;
         let mut needed = segments.len();
@@ -117,9 +126,17 @@ impl Registry {
         if newer >= EVENTS_KEPT && self.store.get(&list_key(name)).await?.is_some() {
             deletes.push(Op::Delete { key: list_key(name), precondition: Precondition::None });
         }
-        for chunk in deletes.chunks(TRIM_OPS_PER_TXN) {
-            self.store.txn(chunk.to_vec()).await?;
-        }
+        Ok(deletes)
+    }
+
+    /// Commits unconditional deletes, `TRIM_OPS_PER_TXN` to a transaction, a few at once.
+    pub(crate) async fn delete_in_chunks(&self, deletes: Vec<Op>) -> Result<(), ApiError> {
+        let chunks: Vec<Vec<Op>> = deletes.chunks(TRIM_OPS_PER_TXN).map(<[Op]>::to_vec).collect();
+        futures_util::stream::iter(chunks)
+            .map(|chunk| async move { self.store.txn(chunk).await })
+            .buffer_unordered(TRIMS_IN_PARALLEL)
+            .try_collect::<Vec<u64>>()
+            .await?;
         Ok(())
     }
 

@@ -527,10 +527,13 @@ impl Registry {
             .buffer_unordered(GIVE_TXNS_IN_PARALLEL)
             .try_collect::<()>()
             .await?;
+        // Whole segments, in few transactions: in a uniform fleet every machine may begin a
+        // new segment in the same pass.
+        let mut deletes = Vec::new();
         for name in to_trim {
-            self.trim_events(&name).await?;
+            deletes.extend(self.events_trim(&name).await?);
         }
-        Ok(())
+        self.delete_in_chunks(deletes).await
     }
 
     /// Gives one machine its pool's current template, as it is stored now.
