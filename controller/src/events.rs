@@ -224,6 +224,33 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_rollout_pass_that_begins_a_segment_trims_the_history() -> R {
+        let dir = tempfile::tempdir()?;
+        let (registry, store) = registry(&dir)?;
+        let pool = serde_json::json!({"apiVersion": "keelson.io/v1alpha1", "kind": "MachinePool",
+            "metadata": {"name": "web", "creationTimestamp": "2026-01-01T00:00:00Z"},
+            "spec": {"selector": {"matchLabels": {"pool": "web"}}, "template": {"spec": {"roles": ["worker"]}},
+                     "rollout": {"maxUnavailable": 1}}});
+        store.put("/pools/web", serde_json::to_vec(&pool)?, Precondition::Absent).await?;
+        let machine = serde_json::json!({"apiVersion": "keelson.io/v1alpha1", "kind": "Machine",
+            "metadata": {"name": "m1", "labels": {"pool": "web"}},
+            "status": {"conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}});
+        store.put("/machines/m1", serde_json::to_vec(&machine)?, Precondition::Absent).await?;
+        // Eleven full segments: the newest 200 events after the pass's need ten of them.
+        for s in 0..11 {
+            store.put(&format!("/events/m1/{s:020}"), encode(&numbered(s * 20, s * 20 + 20)), Precondition::Absent).await?;
+        }
+        registry.reconcile_pools().await?;
+        let history = registry.events("m1").await?;
+        assert_eq!(history.last().map(|e| e.reason.as_str()), Some("SpecChanged"), "{history:?}");
+        assert_eq!(history.len(), EVENTS_KEPT);
+        let keys: Vec<String> = store.list("/events/m1/").await?.entries.into_iter().map(|e| e.key).collect();
+        assert_eq!(keys.first().map(String::as_str), Some("/events/m1/00000000000000000001"), "segment 0 trimmed: {keys:?}");
+        assert_eq!(keys.len(), 11, "{keys:?}");
+        Ok(())
+    }
+
+    #[tokio::test]
     async fn a_list_kept_by_an_earlier_build_is_the_oldest_part_until_segments_hold_the_history() -> R {
         let dir = tempfile::tempdir()?;
         let (registry, store) = registry(&dir)?;
