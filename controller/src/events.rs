@@ -19,7 +19,7 @@ use futures_util::{StreamExt, TryStreamExt};
 use keelson_api::wire::Event;
 
 use crate::error::ApiError;
-use crate::registry::{CAS_ATTEMPTS, EVENTS, Registry, decode, encode};
+use crate::registry::{CAS_ATTEMPTS, EVENTS, Registry, decode, encode, event};
 use crate::store::{Entry, Op, Precondition, StoreError};
 
 /// Events shown per machine.
@@ -62,6 +62,10 @@ pub(crate) struct Append {
 }
 
 impl Registry {
+    pub async fn record_event(&self, name: &str, type_: &str, reason: &str, message: &str, source: &str) -> Result<(), ApiError> {
+        self.append_events(name, vec![event(type_, reason, message.to_owned(), source)]).await
+    }
+
     pub async fn append_events(&self, name: &str, events: Vec<Event>) -> Result<(), ApiError> {
         for attempt in 0..CAS_ATTEMPTS {
             let append = self.events_append(name, &events).await?;
@@ -158,7 +162,6 @@ mod tests {
 
     use super::*;
     use crate::pki::Authority;
-    use crate::registry::event;
     use crate::store::sqlite::SqliteStore;
     use crate::store::{Store, StoreExt};
 

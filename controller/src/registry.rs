@@ -652,10 +652,6 @@ impl Registry {
         Ok(marked)
     }
 
-    pub async fn record_event(&self, name: &str, type_: &str, reason: &str, message: &str, source: &str) -> Result<(), ApiError> {
-        self.append_events(name, vec![event(type_, reason, message.to_owned(), source)]).await
-    }
-
     pub async fn create_token(&self, req: TokenRequest) -> Result<TokenCreated, ApiError> {
         let ttl = req.ttl_seconds.unwrap_or(DEFAULT_TOKEN_TTL_SECS);
         if ttl == 0 || ttl > MAX_TOKEN_TTL_SECS {
