@@ -418,3 +418,37 @@ async fn the_etcd_store_over_tls_keeps_the_contract_and_needs_a_certificate_of_t
     drop(member);
     Ok(())
 }
+
+/// A replica that starts (or lists again) on a large store reads it whole: more than gRPC's
+/// default of 4 MiB to a message, as 10,000 machines' records are, and more keys than one
+/// page of its listing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_etcd_store_larger_than_one_grpc_message_opens() -> R {
+    let dir = tempfile::tempdir()?;
+    let members = etcd::start_cluster(dir.path(), etcd::STORE_VERSION, 1);
+    etcd::wait_serving(&members).await?;
+    let first = open_etcd(&members, DEFAULT_PREFIX).await?;
+    // 6 MiB in 96 values of 64 KiB, a few to a transaction.
+    let value = vec![b'x'; 64 << 10];
+    for chunk in (0..96).collect::<Vec<_>>().chunks(8) {
+        let ops =
+            chunk.iter().map(|i| Op::Put { key: format!("/big/{i:03}"), value: value.clone(), precondition: Precondition::None }).collect();
+        first.txn(ops).await?;
+    }
+    for chunk in (0..2_500).collect::<Vec<_>>().chunks(100) {
+        let ops = chunk
+            .iter()
+            .map(|i| Op::Put { key: format!("/small/{i:04}"), value: b"s".to_vec(), precondition: Precondition::None })
+            .collect();
+        first.txn(ops).await?;
+    }
+    let second = open_etcd(&members, DEFAULT_PREFIX).await?;
+    let listing = second.list("/big/").await?;
+    assert_eq!(listing.entries.len(), 96);
+    assert!(listing.entries.iter().all(|e| e.value.len() == value.len()));
+    let small = second.list("/small/").await?.entries;
+    assert_eq!(small.len(), 2_500);
+    assert!(small.windows(2).all(|w| w[0].key < w[1].key));
+    assert_eq!(second.revision(), first.revision());
+    Ok(())
+}

@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use etcd_client::{
-    Certificate, Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, Identity, KeyValue, TlsOptions, Txn, TxnOp,
+    Certificate, Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, Identity, KeyValue, KvClient, TlsOptions, Txn, TxnOp,
     TxnOpResponse, WatchOptions, WatchResponse,
 };
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
@@ -51,6 +51,13 @@ const RETRY_DELAY: Duration = Duration::from_millis(200);
 /// interval): etcd keeps every write as history until compacted, up to its 2 GiB quota, and a
 /// 10,000-machine fleet writes 1,000 heartbeats a second.
 pub const DEFAULT_COMPACT_EVERY: Duration = Duration::from_secs(300);
+/// The largest answer taken from etcd: a page of a listing, or a watch response that catches
+/// up on many revisions at once. gRPC's default of 4 MiB is less than the records of 4,000
+/// machines, and a watch that could not take its next response would break again each time
+/// it was opened.
+const MAX_ANSWER_BYTES: usize = 256 << 20;
+/// Keys per page of a listing (10,000 machines' records are about 12 MiB).
+const LIST_PAGE_KEYS: i64 = 1_000;
 
 /// Client certificate files for an etcd that requires them.
 #[derive(Debug, Clone)]
@@ -218,7 +225,7 @@ impl Writer {
         let deadline = Instant::now() + REQUEST_RETRY_FOR;
         let mut retried = false;
         loop {
-            match self.client.kv_client().txn(txn.clone()).await {
+            match kv(&self.client).txn(txn.clone()).await {
                 Ok(response) => return Ok((response, retried)),
                 Err(e) if retryable(&e) && Instant::now() < deadline => {
                     tracing::debug!(error = %e, "etcd transaction failed; sending it again");
@@ -531,16 +538,39 @@ async fn compact_history(client: Client, probe: String, every: Duration, stop: C
     }
 }
 
-/// Everything under `prefix` and the revision it was read at.
+/// The KV service, taking answers of up to `MAX_ANSWER_BYTES`.
+fn kv(client: &Client) -> KvClient {
+    client.kv_client().max_decoding_message_size(MAX_ANSWER_BYTES)
+}
+
+/// Everything under `prefix` and the revision it was read at, a page at a time, every page at
+/// the revision of the first.
 async fn list_all(client: &Client, prefix: &str) -> Result<(BTreeMap<String, Entry>, u64), StoreError> {
-    let response = client.kv_client().get(format!("{prefix}/"), Some(GetOptions::new().with_prefix())).await.map_err(backend)?;
-    let revision = revision_of(response.header().map_or(0, |h| h.revision()));
+    let end = format!("{prefix}0"); // '0' follows '/'
+    let mut from = format!("{prefix}/");
+    let mut revision = 0;
     let mut entries = BTreeMap::new();
-    for kv in response.kvs() {
-        let entry = entry(prefix, kv)?;
-        entries.insert(entry.key.clone(), entry);
+    loop {
+        let mut options = GetOptions::new().with_range(end.as_str()).with_limit(LIST_PAGE_KEYS);
+        if revision > 0 {
+            options = options.with_revision(i64::try_from(revision).unwrap_or(i64::MAX));
+        }
+        let response = kv(client).get(from.as_str(), Some(options)).await.map_err(backend)?;
+        if revision == 0 {
+            revision = revision_of(response.header().map_or(0, |h| h.revision()));
+        }
+        for kv in response.kvs() {
+            let entry = entry(prefix, kv)?;
+            entries.insert(entry.key.clone(), entry);
+        }
+        match response.kvs().last() {
+            Some(last) if response.more() => {
+                // The next page starts just after the last key of this one.
+                from = format!("{}\0", last.key_str().map_err(backend)?);
+            }
+            _ => return Ok((entries, revision)),
+        }
     }
-    Ok((entries, revision))
 }
 
 fn entry(prefix: &str, kv: &KeyValue) -> Result<Entry, StoreError> {
@@ -636,7 +666,13 @@ impl Follower {
     async fn follow(&self, progress: &mut mpsc::Receiver<()>, stop: &CancellationToken) -> Ended {
         let from = self.mirror.revision() + 1;
         let options = WatchOptions::new().with_prefix().with_start_revision(i64::try_from(from).unwrap_or(i64::MAX));
-        let mut stream = match self.client.watch_client().watch(format!("{}/", self.prefix), Some(options)).await {
+        let mut stream = match self
+            .client
+            .watch_client()
+            .max_decoding_message_size(MAX_ANSWER_BYTES)
+            .watch(format!("{}/", self.prefix), Some(options))
+            .await
+        {
             Ok(s) => s,
             Err(e) => return Ended::Broken(e.to_string()),
         };
