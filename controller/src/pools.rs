@@ -481,23 +481,26 @@ impl Registry {
         let mut batches: Vec<(Vec<String>, Vec<Op>, usize)> = Vec::new();
         // Machines whose event history is to be trimmed once their events are written.
         let mut to_trim = Vec::new();
+        let mut given = Vec::new();
         for v in listed {
             let mut machine = v.object.clone();
             let Some(spec_changed) = take_revision(&mut machine, pool) else { continue };
+            given.push((machine, v.revision, spec_changed));
+        }
+        let changed = given.iter().filter(|(_, _, spec_changed)| *spec_changed);
+        let wanted = changed.map(|(machine, _, _)| (machine.metadata.name_str().to_owned(), vec![spec_changed_event(machine, pool)]));
+        let mut appends = self.events_appends(wanted.collect()).await?.into_iter();
+        for (machine, revision, spec_changed) in given {
             let name = machine.metadata.name_str();
             let mut ops = Vec::with_capacity(2);
             if spec_changed {
-                let append = self.events_append(name, &[spec_changed_event(&machine, pool)]).await?;
-                ops.push(append.op);
+                let append = appends.next().ok_or_else(|| ApiError::Internal("an event append went missing".into()))?;
+                ops.extend(append.ops);
                 if append.trim {
                     to_trim.push(name.to_owned());
                 }
             }
-            ops.push(Op::Put {
-                key: format!("{MACHINES}{name}"),
-                value: encode(&machine),
-                precondition: Precondition::Revision(v.revision),
-            });
+            ops.push(Op::Put { key: format!("{MACHINES}{name}"), value: encode(&machine), precondition: Precondition::Revision(revision) });
             let bytes: usize = ops.iter().map(op_bytes).sum();
             let full = batches.last().is_none_or(|(_, batch, batch_bytes)| {
                 batch.len() + ops.len() > GIVE_OPS_PER_TXN || batch_bytes + bytes > GIVE_BYTES_PER_TXN
@@ -529,10 +532,7 @@ impl Registry {
             .await?;
         // Whole segments, in few transactions: in a uniform fleet every machine may begin a
         // new segment in the same pass.
-        let mut deletes = Vec::new();
-        for name in to_trim {
-            deletes.extend(self.events_trim(&name).await?);
-        }
+        let deletes = to_trim.iter().flat_map(|name| self.events_trim(name)).collect();
         self.delete_in_chunks(deletes).await
     }
 

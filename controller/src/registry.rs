@@ -7,7 +7,7 @@
 //! - `/pools/<name>`      MachinePool
 //! - `/tokens/<id>`       StoredToken: the BootstrapToken and the SHA-256 of its secret
 //! - `/identities/<name>` Identity: the certificate serials that may act as the machine
-//! - `/events/<name>`     the machine's recent events, newest last
+//! - `/events/<name>/<n>` the machine's recent events, in segments, newest last (`events.rs`)
 //! - `/revisions/<pool>/<revision, 20 digits>`  PoolRevision: a template kept for history and undo
 //! - `/rollouts/<pool>`   RolloutState: what a rollout must remember across restarts
 

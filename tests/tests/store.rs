@@ -202,6 +202,57 @@ async fn watch_replays_then_follows(store: &dyn Store) -> R {
     Ok(())
 }
 
+/// Keys whose values are not held in memory keep the same contract: their values are read
+/// from the backend, alone, many at once or by prefix, and their revisions guard writes.
+async fn values_not_in_memory_are_read_from_the_store(store: &dyn Store) -> R {
+    let r1 = store.put("/events/a/1", b"one".to_vec(), Precondition::Absent).await?;
+    let r2 = store.put("/events/a/2", b"two".to_vec(), Precondition::Absent).await?;
+    let r_b = store.put("/events/b", b"b".to_vec(), Precondition::Absent).await?;
+    let mut watch = store.watch("/events/", r_b).await?;
+    let e = store.get("/events/a/1").await?.context("/events/a/1 missing")?;
+    assert_eq!((&e.value[..], e.create_revision, e.mod_revision), (&b"one"[..], r1, r1));
+    let listed = store.list("/events/a/").await?;
+    let pairs: Vec<(&str, &[u8])> = listed.entries.iter().map(|e| (e.key.as_str(), &e.value[..])).collect();
+    assert_eq!(pairs, [("/events/a/1", &b"one"[..]), ("/events/a/2", &b"two"[..])]);
+    // Keys and revisions come from memory, without values.
+    let keys = store.list_keys("/events/a/");
+    assert_eq!(
+        keys.entries.iter().map(|e| (e.key.as_str(), e.mod_revision, e.value.len())).collect::<Vec<_>>(),
+        [("/events/a/1", r1, 0), ("/events/a/2", r2, 0)]
+    );
+    // Preconditions hold against the stored revisions.
+    assert!(matches!(
+        store.put("/events/a/1", b"x".to_vec(), Precondition::Revision(r2)).await,
+        Err(StoreError::Conflict { found: Some(f), .. }) if f == r1
+    ));
+    let r3 = store.put("/events/a/1", b"uno".to_vec(), Precondition::Revision(r1)).await?;
+    let changed = next_change(&mut watch).await?;
+    assert_eq!((changed.entry.key.as_str(), &changed.entry.value[..], changed.entry.mod_revision), ("/events/a/1", &b"uno"[..], r3));
+    // Many at once, in order, beside keys held in memory and keys that do not exist; more
+    // than one of etcd's transactions holds.
+    for chunk in (0..250).collect::<Vec<_>>().chunks(100) {
+        let put =
+            |i: &i32| Op::Put { key: format!("/events/many/{i:03}"), value: i.to_string().into_bytes(), precondition: Precondition::None };
+        store.txn(chunk.iter().map(put).collect()).await?;
+    }
+    store.put("/held", b"held".to_vec(), Precondition::None).await?;
+    let mut keys: Vec<String> = (0..250).map(|i| format!("/events/many/{i:03}")).collect();
+    keys.extend(["/held".to_owned(), "/events/none".to_owned(), "/events/a/1".to_owned()]);
+    let found = store.get_many(&keys).await?;
+    let values: Vec<Option<String>> = found.iter().map(|e| e.as_ref().map(|e| String::from_utf8_lossy(&e.value).into_owned())).collect();
+    let mut expected: Vec<Option<String>> = (0..250).map(|i| Some(i.to_string())).collect();
+    expected.extend([Some("held".into()), None, Some("uno".into())]);
+    assert_eq!(values, expected);
+    // A listing of everything holds both kinds, in key order.
+    let all = store.list("/").await?.entries;
+    assert!(all.windows(2).all(|w| w[0].key < w[1].key));
+    let value_of = |key: &str| all.iter().find(|e| e.key == key).map(|e| e.value.to_vec());
+    assert_eq!((value_of("/events/b"), value_of("/held")), (Some(b"b".to_vec()), Some(b"held".to_vec())));
+    store.delete("/events/a/2", Precondition::Revision(r2)).await?;
+    assert!(store.get("/events/a/2").await?.is_none());
+    Ok(())
+}
+
 async fn the_contract(subject: Subject) -> R {
     let store = subject.store.clone();
     compare_and_swap_and_revisions(&*store).await.context("compare-and-swap and revisions")?;
@@ -210,6 +261,7 @@ async fn the_contract(subject: Subject) -> R {
     concurrent_writers_to_one_key_serialise(store.clone()).await.context("racing writers")?;
     concurrent_transactions_on_other_keys_commit_or_fail_each_on_its_own(store.clone()).await.context("independent writers")?;
     watch_replays_then_follows(&*store).await.context("watch")?;
+    values_not_in_memory_are_read_from_the_store(&*store).await.context("values not in memory")?;
     Ok(())
 }
 
@@ -442,7 +494,10 @@ async fn an_etcd_store_larger_than_one_grpc_message_opens() -> R {
             .collect();
         first.txn(ops).await?;
     }
+    first.put("/events/m1/00000000000000000000", b"history".to_vec(), Precondition::Absent).await?;
     let second = open_etcd(&members, DEFAULT_PREFIX).await?;
+    let history = second.get("/events/m1/00000000000000000000").await?.map(|e| e.value.to_vec());
+    assert_eq!(history.as_deref(), Some(&b"history"[..]), "a value not held is read from etcd");
     let listing = second.list("/big/").await?;
     assert_eq!(listing.entries.len(), 96);
     assert!(listing.entries.iter().all(|e| e.value.len() == value.len()));

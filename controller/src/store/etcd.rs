@@ -29,8 +29,10 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::mirror::Mirror;
-use super::{Change, Entry, Listing, Op, Precondition, Since, Store, StoreError, Watch};
+use futures_util::{StreamExt, TryStreamExt};
+
+use super::mirror::{Backend, Mirror};
+use super::{Change, Entry, Listing, Op, Precondition, Since, Store, StoreError, VALUES_NOT_IN_MEMORY, Watch, prefix_end};
 
 /// The prefix when the operator names none.
 pub const DEFAULT_PREFIX: &str = "/keelson";
@@ -58,6 +60,10 @@ pub const DEFAULT_COMPACT_EVERY: Duration = Duration::from_secs(300);
 const MAX_ANSWER_BYTES: usize = 256 << 20;
 /// Keys per page of a listing (10,000 machines' records are about 12 MiB).
 const LIST_PAGE_KEYS: i64 = 1_000;
+/// Keys read in one transaction, within etcd's default limit of 128 operations…
+const READS_PER_TXN: usize = 100;
+/// …and such transactions in flight at once.
+const READ_TXNS_IN_PARALLEL: usize = 4;
 
 /// Client certificate files for an etcd that requires them.
 #[derive(Debug, Clone)]
@@ -103,6 +109,7 @@ pub struct EtcdStore {
     queue: mpsc::UnboundedSender<Vec<Pending>>,
     /// …and those that leave after them (`Store::txn_yielding`).
     yielding: mpsc::UnboundedSender<Pending>,
+    reads: Reads,
     stop: CancellationToken,
 }
 
@@ -190,13 +197,14 @@ impl EtcdStore {
         if let Some(every) = options.compact_every {
             tokio::spawn(compact_history(client.clone(), format!("{prefix}/"), every, stop.clone()));
         }
+        let reads = Reads { client: client.clone(), prefix: prefix.clone() };
         let writer = Writer { client, prefix, mirror, progress };
         let (queue, queued) = mpsc::unbounded_channel();
         let (yielding, gathering) = mpsc::unbounded_channel();
         let (gathered, yielded) = mpsc::unbounded_channel();
         tokio::spawn(gather(gathering, gathered, stop.clone()));
         tokio::spawn(batch_writes(writer.clone(), [queued, yielded], stop.clone()));
-        Ok(EtcdStore { writer, queue, yielding, stop })
+        Ok(EtcdStore { writer, queue, yielding, reads, stop })
     }
 
     /// The client, for the leader election of the replicas sharing this store.
@@ -543,25 +551,50 @@ fn kv(client: &Client) -> KvClient {
     client.kv_client().max_decoding_message_size(MAX_ANSWER_BYTES)
 }
 
-/// Everything under `prefix` and the revision it was read at, a page at a time, every page at
-/// the revision of the first.
+/// Everything under `prefix` and the revision it was read at: a page at a time, every page at
+/// the revision of the first, and without the values the mirror does not hold.
 async fn list_all(client: &Client, prefix: &str) -> Result<(BTreeMap<String, Entry>, u64), StoreError> {
-    let end = format!("{prefix}0"); // '0' follows '/'
-    let mut from = format!("{prefix}/");
-    let mut revision = 0;
-    let mut entries = BTreeMap::new();
+    let not_held = VALUES_NOT_IN_MEMORY;
+    let (mut entries, revision) = list_range(client, prefix, "/", not_held, Read::Values, 0).await?;
+    entries.extend(list_range(client, prefix, not_held, &prefix_end(not_held), Read::KeysOnly, revision).await?.0);
+    entries.extend(list_range(client, prefix, &prefix_end(not_held), &prefix_end("/"), Read::Values, revision).await?.0);
+    Ok((entries.into_iter().map(|e| (e.key.clone(), e)).collect(), revision))
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Read {
+    Values,
+    KeysOnly,
+}
+
+/// The store keys from `from` up to (not including) `end`, in key order, at `revision` (0: the
+/// newest), a page at a time; and the revision read at.
+async fn list_range(
+    client: &Client,
+    prefix: &str,
+    from: &str,
+    end: &str,
+    read: Read,
+    revision: u64,
+) -> Result<(Vec<Entry>, u64), StoreError> {
+    let end = format!("{prefix}{end}");
+    let mut from = format!("{prefix}{from}");
+    let mut revision = revision;
+    let mut entries = Vec::new();
     loop {
         let mut options = GetOptions::new().with_range(end.as_str()).with_limit(LIST_PAGE_KEYS);
         if revision > 0 {
             options = options.with_revision(i64::try_from(revision).unwrap_or(i64::MAX));
+        }
+        if read == Read::KeysOnly {
+            options = options.with_keys_only();
         }
         let response = kv(client).get(from.as_str(), Some(options)).await.map_err(backend)?;
         if revision == 0 {
             revision = revision_of(response.header().map_or(0, |h| h.revision()));
         }
         for kv in response.kvs() {
-            let entry = entry(prefix, kv)?;
-            entries.insert(entry.key.clone(), entry);
+            entries.push(entry(prefix, kv)?);
         }
         match response.kvs().last() {
             Some(last) if response.more() => {
@@ -570,6 +603,49 @@ async fn list_all(client: &Client, prefix: &str) -> Result<(BTreeMap<String, Ent
             }
             _ => return Ok((entries, revision)),
         }
+    }
+}
+
+/// Reads of the values the mirror does not hold, from etcd itself.
+#[derive(Clone)]
+struct Reads {
+    client: Client,
+    prefix: String,
+}
+
+impl std::fmt::Debug for Reads {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reads").field("prefix", &self.prefix).finish()
+    }
+}
+
+#[async_trait]
+impl Backend for Reads {
+    async fn read_keys(&self, keys: Vec<String>) -> Result<Vec<Option<Entry>>, StoreError> {
+        // A transaction of reads is one round trip, and one revision, for up to 100 keys.
+        let chunks: Vec<Vec<String>> = keys.chunks(READS_PER_TXN).map(<[String]>::to_vec).collect();
+        let read = futures_util::stream::iter(chunks)
+            .map(|chunk| async move {
+                let gets = chunk.iter().map(|k| TxnOp::get(format!("{}{k}", self.prefix), None)).collect::<Vec<_>>();
+                let response = kv(&self.client).txn(Txn::new().and_then(gets)).await.map_err(refused)?;
+                response
+                    .op_responses()
+                    .into_iter()
+                    .map(|r| match r {
+                        TxnOpResponse::Get(got) => got.kvs().first().map(|kv| entry(&self.prefix, kv)).transpose(),
+                        _ => Err(backend("a read in etcd answered as a write")),
+                    })
+                    .collect::<Result<Vec<_>, StoreError>>()
+            })
+            .buffered(READ_TXNS_IN_PARALLEL)
+            .try_collect::<Vec<_>>()
+            .await?;
+        Ok(read.into_iter().flatten().collect())
+    }
+
+    async fn read_prefix(&self, prefix: &str) -> Result<Listing, StoreError> {
+        let (entries, revision) = list_range(&self.client, &self.prefix, prefix, &prefix_end(prefix), Read::Values, 0).await?;
+        Ok(Listing { entries, revision })
     }
 }
 
@@ -596,11 +672,19 @@ fn compare(etcd_key: &str, precondition: Precondition) -> Option<Compare> {
 #[async_trait]
 impl Store for EtcdStore {
     async fn get(&self, key: &str) -> Result<Option<Entry>, StoreError> {
-        Ok(self.writer.mirror.get(key))
+        self.writer.mirror.get_through(key, &self.reads).await
+    }
+
+    async fn get_many(&self, keys: &[String]) -> Result<Vec<Option<Entry>>, StoreError> {
+        self.writer.mirror.get_many_through(keys, &self.reads).await
     }
 
     async fn list(&self, prefix: &str) -> Result<Listing, StoreError> {
-        Ok(self.writer.mirror.list(prefix))
+        self.writer.mirror.list_through(prefix, &self.reads).await
+    }
+
+    fn list_keys(&self, prefix: &str) -> Listing {
+        self.writer.mirror.list_keys(prefix)
     }
 
     async fn txn(&self, ops: Vec<Op>) -> Result<u64, StoreError> {

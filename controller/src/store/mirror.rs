@@ -2,6 +2,8 @@
 //! entry, the newest revision, a bounded log of recent changes for watches to replay, and a
 //! broadcast of new changes. A store publishes into it only what is durable (SQLite after its
 //! commit, etcd as its watch reports it), so a reader never sees a write that could be lost.
+//! Entries whose values are not held in memory (`VALUES_NOT_IN_MEMORY`) are kept with empty
+//! values; their changes keep their values in the log, for watches.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, RwLock, RwLockReadGuard};
@@ -9,7 +11,18 @@ use std::time::Duration;
 
 use tokio::sync::{broadcast, watch};
 
-use super::{Change, Entry, Listing, Since, StoreError, Watch};
+use async_trait::async_trait;
+
+use super::{Change, Entry, Listing, Since, StoreError, VALUES_NOT_IN_MEMORY, Watch, value_in_memory};
+
+/// Where a store reads the values the mirror does not hold.
+#[async_trait]
+pub(crate) trait Backend: Sync {
+    /// Each key's entry, in order, as committed now.
+    async fn read_keys(&self, keys: Vec<String>) -> Result<Vec<Option<Entry>>, StoreError>;
+    /// Every entry under `prefix`, in key order, and the revision read at.
+    async fn read_prefix(&self, prefix: &str) -> Result<Listing, StoreError>;
+}
 
 /// How many recent changes a watch can replay from…
 const CHANGE_LOG_LEN: usize = 20_000;
@@ -39,23 +52,43 @@ pub(crate) struct Mirror {
     changes: broadcast::Sender<Arc<Change>>,
     /// The revision published last, for writers waiting until their write is visible.
     published: watch::Sender<u64>,
+    /// The value of every entry whose value is not held (one allocation, shared).
+    empty: Arc<[u8]>,
 }
 
 impl Committed {
     fn listing(&self, prefix: &str) -> Listing {
-        let entries = self.entries.range(prefix.to_owned()..).take_while(|(k, _)| k.starts_with(prefix)).map(|(_, e)| e.clone()).collect();
+        let entries = self.under(prefix).cloned().collect();
         Listing { entries, revision: self.revision }
+    }
+
+    fn under<'a>(&'a self, prefix: &'a str) -> impl Iterator<Item = &'a Entry> {
+        self.entries.range(prefix.to_owned()..).take_while(move |(k, _)| k.starts_with(prefix)).map(|(_, e)| e)
     }
 }
 
 impl Mirror {
-    pub fn new(entries: BTreeMap<String, Entry>, revision: u64) -> Self {
+    pub fn new(mut entries: BTreeMap<String, Entry>, revision: u64) -> Self {
         let (changes, _) = broadcast::channel(BROADCAST_CAPACITY);
+        let empty: Arc<[u8]> = Arc::from(&[][..]);
+        for entry in entries.values_mut().filter(|e| !value_in_memory(&e.key)) {
+            entry.value = empty.clone();
+        }
         Mirror {
             state: RwLock::new(Committed { entries, revision, log: VecDeque::new(), log_bytes: 0, log_start: revision }),
             changes,
             published: watch::Sender::new(revision),
+            empty,
         }
+    }
+
+    /// `entry` as the mirror keeps it: without its value when that is not held.
+    pub fn kept(&self, entry: &Entry) -> Entry {
+        if value_in_memory(&entry.key) { entry.clone() } else { self.without_value(entry) }
+    }
+
+    fn without_value(&self, e: &Entry) -> Entry {
+        Entry { key: e.key.clone(), value: self.empty.clone(), create_revision: e.create_revision, mod_revision: e.mod_revision }
     }
 
     pub fn read(&self) -> RwLockReadGuard<'_, Committed> {
@@ -70,6 +103,59 @@ impl Mirror {
 
     pub fn list(&self, prefix: &str) -> Listing {
         self.read().listing(prefix)
+    }
+
+    /// `Store::get`: from memory, or from `backend` for a value not held.
+    pub async fn get_through(&self, key: &str, backend: &impl Backend) -> Result<Option<Entry>, StoreError> {
+        if value_in_memory(key) {
+            return Ok(self.get(key));
+        }
+        Ok(backend.read_keys(vec![key.to_owned()]).await?.pop().flatten())
+    }
+
+    /// `Store::get_many`: from memory, and in one call to `backend` for the values not held.
+    pub async fn get_many_through(&self, keys: &[String], backend: &impl Backend) -> Result<Vec<Option<Entry>>, StoreError> {
+        let mut found = Vec::with_capacity(keys.len());
+        let mut elsewhere = Vec::new();
+        {
+            let state = self.read();
+            for (i, key) in keys.iter().enumerate() {
+                if value_in_memory(key) {
+                    found.push(state.entries.get(key).cloned());
+                } else {
+                    found.push(None);
+                    elsewhere.push(i);
+                }
+            }
+        }
+        if !elsewhere.is_empty() {
+            let read = backend.read_keys(elsewhere.iter().map(|&i| keys[i].clone()).collect()).await?;
+            for (i, entry) in elsewhere.into_iter().zip(read) {
+                found[i] = entry;
+            }
+        }
+        Ok(found)
+    }
+
+    /// `Store::list`: from memory, and from `backend` for the part whose values are not held.
+    pub async fn list_through(&self, prefix: &str, backend: &impl Backend) -> Result<Listing, StoreError> {
+        if prefix.starts_with(VALUES_NOT_IN_MEMORY) {
+            return backend.read_prefix(prefix).await;
+        }
+        let mut listing = self.list(prefix);
+        if VALUES_NOT_IN_MEMORY.starts_with(prefix) {
+            listing.entries.retain(|e| value_in_memory(&e.key));
+            listing.entries.extend(backend.read_prefix(VALUES_NOT_IN_MEMORY).await?.entries);
+            listing.entries.sort_by(|a, b| a.key.cmp(&b.key));
+        }
+        Ok(listing)
+    }
+
+    /// The keys under `prefix` with their revisions, every value empty.
+    pub fn list_keys(&self, prefix: &str) -> Listing {
+        let state = self.read();
+        let entries = state.under(prefix).map(|e| self.without_value(e)).collect();
+        Listing { entries, revision: state.revision }
     }
 
     /// What changed under `prefix` after revision `after`: the changes, while the log still
@@ -111,7 +197,7 @@ impl Mirror {
                 if change.deleted {
                     state.entries.remove(&change.entry.key);
                 } else {
-                    state.entries.insert(change.entry.key.clone(), change.entry.clone());
+                    state.entries.insert(change.entry.key.clone(), self.kept(&change.entry));
                 }
                 let change = Arc::new(change);
                 state.log_bytes += size(&change);
@@ -198,6 +284,21 @@ mod tests {
         assert!(matches!(mirror.watch("/", 1), Err(StoreError::Compacted { .. })));
         let mut recent = mirror.watch("/", 39)?;
         assert_eq!(recent.next().await.ok_or(StoreError::Closed)??.entry.mod_revision, 40);
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn values_not_held_are_left_out_of_the_entries_and_kept_in_the_log() -> Result<(), StoreError> {
+        let loaded = Entry { key: "/events/m1/0".into(), value: Arc::from(&b"old"[..]), create_revision: 1, mod_revision: 1 };
+        let mirror = Mirror::new(BTreeMap::from([(loaded.key.clone(), loaded)]), 1);
+        let entry = Entry { key: "/events/m1/1".into(), value: Arc::from(&b"new"[..]), create_revision: 2, mod_revision: 2 };
+        mirror.publish([Change { deleted: false, entry }, put("/machines/m1", 2)], 2);
+        let held = |key: &str| mirror.get(key).map(|e| (e.value.to_vec(), e.mod_revision));
+        assert_eq!(held("/events/m1/0"), Some((Vec::new(), 1)));
+        assert_eq!(held("/events/m1/1"), Some((Vec::new(), 2)));
+        assert_eq!(held("/machines/m1"), Some((b"v".to_vec(), 2)));
+        let mut watch = mirror.watch("/events/", 1)?;
+        assert_eq!(watch.next().await.ok_or(StoreError::Closed)??.entry.value.to_vec(), b"new");
         Ok(())
     }
 }

@@ -3,6 +3,10 @@
 //! created it and the one that last changed it; writes can be made conditional on those
 //! (compare-and-swap); several writes can commit atomically; lists go by key prefix; a watch
 //! replays every change after a revision, then follows new ones.
+//!
+//! Both stores keep every key's revisions in memory, and every value except those under
+//! `VALUES_NOT_IN_MEMORY`, so most reads, every precondition and every watch cost no round
+//! trip to SQLite's file or to etcd.
 
 pub mod etcd;
 mod mirror;
@@ -12,6 +16,32 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use tokio::sync::broadcast;
+
+/// Keys whose values the stores do not hold in memory: machines' event histories. At their
+/// full length they are most of a fleet's bytes (about 400 MiB at 10,000 machines,
+/// docs/benchmarks.md), and they are read only when an operator asks for them or an event is
+/// added. Their keys and revisions are in memory like any other's (for preconditions,
+/// `list_keys` and watches); `get`, `get_many` and `list` read their values from the backend.
+pub const VALUES_NOT_IN_MEMORY: &str = "/events/";
+
+/// Whether the stores hold `key`'s value in memory.
+pub fn value_in_memory(key: &str) -> bool {
+    !key.starts_with(VALUES_NOT_IN_MEMORY)
+}
+
+/// The first key after every key that starts with `prefix`, for range reads.
+fn prefix_end(prefix: &str) -> String {
+    let mut end: Vec<char> = prefix.chars().collect();
+    while let Some(last) = end.pop() {
+        // The next character, past the surrogates; after char::MAX, carry to the one before.
+        if let Some(next) = (last as u32 + 1..=char::MAX as u32).find_map(char::from_u32) {
+            end.push(next);
+            return end.into_iter().collect();
+        }
+    }
+    // Only a prefix of char::MAX alone gets here; no key follows it.
+    String::from(char::MAX)
+}
 
 /// One stored key.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -81,7 +111,8 @@ impl Op {
 }
 
 /// One committed change, as a watch delivers it. For a delete, `entry` holds the value the
-/// key had before and `mod_revision` the revision of the delete.
+/// key had before (empty for a key whose value is not in memory) and `mod_revision` the
+/// revision of the delete.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Change {
     pub deleted: bool,
@@ -169,7 +200,11 @@ pub enum Since {
 #[async_trait]
 pub trait Store: Send + Sync + std::fmt::Debug + 'static {
     async fn get(&self, key: &str) -> Result<Option<Entry>, StoreError>;
+    /// `get` of each key, in order, with as few reads of the backend as it can.
+    async fn get_many(&self, keys: &[String]) -> Result<Vec<Option<Entry>>, StoreError>;
     async fn list(&self, prefix: &str) -> Result<Listing, StoreError>;
+    /// The keys under `prefix` and their revisions, with empty values, from memory.
+    fn list_keys(&self, prefix: &str) -> Listing;
     /// Applies every op atomically at one new revision, or none of them when any
     /// precondition fails. Returns the revision.
     async fn txn(&self, ops: Vec<Op>) -> Result<u64, StoreError>;
@@ -184,7 +219,8 @@ pub trait Store: Send + Sync + std::fmt::Debug + 'static {
     /// The newest committed revision.
     fn revision(&self) -> u64;
     /// What changed under `prefix` after revision `after` (`None`: a listing), from memory:
-    /// for a cache that keeps up with the store without listing it each time.
+    /// for a cache that keeps up with the store without listing it each time. A listing
+    /// holds empty values for keys whose values are not in memory.
     fn since(&self, prefix: &str, after: Option<u64>) -> Since;
 }
 
@@ -200,3 +236,13 @@ pub trait StoreExt: Store {
 }
 
 impl<S: Store + ?Sized> StoreExt for S {}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_prefix_ends_just_after_its_last_key() {
+        assert_eq!(super::prefix_end("/events/"), "/events0");
+        assert_eq!(super::prefix_end("/"), "0");
+        assert_eq!(super::prefix_end("a\u{D7FF}"), "a\u{E000}");
+    }
+}

@@ -7,19 +7,22 @@
 //! publish the new state to readers and watchers and answer the callers, so an acknowledged
 //! write is on disk and a reader never sees a write that could still be lost.
 //!
-//! Readers never touch SQLite: the committed state is kept in memory (a fleet of 10,000
-//! machines is tens of MiB), in the `Mirror` both stores share.
+//! Readers use SQLite only for values not held in memory (`VALUES_NOT_IN_MEMORY`), on a
+//! connection of their own: in WAL mode it reads while the writer writes, and sees committed
+//! transactions only. Everything else, and every key's revisions, is kept in memory (a fleet
+//! of 10,000 machines is tens of MiB), in the `Mirror` both stores share, which the writer
+//! checks preconditions against.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use rusqlite::{Connection, params};
+use rusqlite::{Connection, OptionalExtension, Row, params};
 use tokio::sync::{mpsc, oneshot};
 
-use super::mirror::Mirror;
-use super::{Change, Entry, Listing, Op, Since, Store, StoreError, Watch};
+use super::mirror::{Backend, Mirror};
+use super::{Change, Entry, Listing, Op, Since, Store, StoreError, VALUES_NOT_IN_MEMORY, Watch, prefix_end};
 
 /// The most requests committed in one transaction.
 const MAX_BATCH: usize = 512;
@@ -34,7 +37,12 @@ struct Request {
 pub struct SqliteStore {
     mirror: Arc<Mirror>,
     requests: mpsc::UnboundedSender<Request>,
+    reader: Reader,
 }
+
+/// The connection that reads values not held in memory.
+#[derive(Debug, Clone)]
+struct Reader(Arc<Mutex<Connection>>);
 
 impl std::fmt::Debug for Request {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -82,38 +90,96 @@ impl SqliteStore {
         let revision: i64 = conn.query_row("SELECT value FROM meta WHERE name = 'revision'", [], |r| r.get(0)).map_err(backend)?;
         let mut entries = BTreeMap::new();
         {
-            let mut stmt = conn.prepare("SELECT key, value, create_revision, mod_revision FROM kv").map_err(backend)?;
-            let rows = stmt
-                .query_map([], |r| {
-                    Ok(Entry {
-                        key: r.get(0)?,
-                        value: Arc::from(r.get::<_, Vec<u8>>(1)?),
-                        create_revision: r.get::<_, i64>(2)? as u64,
-                        mod_revision: r.get::<_, i64>(3)? as u64,
-                    })
-                })
+            // Values not held in memory are left in the file.
+            let mut stmt = conn
+                .prepare("SELECT key, CASE WHEN key >= ?1 AND key < ?2 THEN x'' ELSE value END, create_revision, mod_revision FROM kv")
                 .map_err(backend)?;
+            let rows = stmt.query_map(params![VALUES_NOT_IN_MEMORY, prefix_end(VALUES_NOT_IN_MEMORY)], row_entry).map_err(backend)?;
             for row in rows {
                 let entry = row.map_err(backend)?;
                 entries.insert(entry.key.clone(), entry);
             }
         }
+        let reading = Connection::open(path).map_err(backend)?;
+        reading.pragma_update(None, "query_only", true).map_err(backend)?;
         let mirror = Arc::new(Mirror::new(entries, revision as u64));
         let (requests, queue) = mpsc::unbounded_channel();
         let writer = Writer { conn, mirror: mirror.clone() };
         std::thread::Builder::new().name("store-writer".into()).spawn(move || writer.run(queue)).map_err(backend)?;
-        Ok(SqliteStore { mirror, requests })
+        Ok(SqliteStore { mirror, requests, reader: Reader(Arc::new(Mutex::new(reading))) })
+    }
+}
+
+fn row_entry(r: &Row<'_>) -> rusqlite::Result<Entry> {
+    Ok(Entry {
+        key: r.get(0)?,
+        value: Arc::from(r.get::<_, Vec<u8>>(1)?),
+        create_revision: r.get::<_, i64>(2)? as u64,
+        mod_revision: r.get::<_, i64>(3)? as u64,
+    })
+}
+
+impl Reader {
+    /// Runs `read` in one read transaction (one snapshot), off the async threads.
+    async fn run<T: Send + 'static>(
+        &self,
+        read: impl FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let conn = self.0.clone();
+        tokio::task::spawn_blocking(move || {
+            // A panic while reading leaves nothing half-done on a read-only connection.
+            let conn = conn.lock().unwrap_or_else(|e| e.into_inner());
+            let tx = conn.unchecked_transaction()?;
+            let result = read(&tx)?;
+            tx.finish()?;
+            Ok::<T, rusqlite::Error>(result)
+        })
+        .await
+        .map_err(backend)?
+        .map_err(backend)
+    }
+}
+
+#[async_trait]
+impl Backend for Reader {
+    async fn read_keys(&self, keys: Vec<String>) -> Result<Vec<Option<Entry>>, StoreError> {
+        self.run(move |conn| {
+            let mut stmt = conn.prepare_cached("SELECT key, value, create_revision, mod_revision FROM kv WHERE key = ?1")?;
+            keys.iter().map(|key| stmt.query_row(params![key], row_entry).optional()).collect()
+        })
+        .await
+    }
+
+    async fn read_prefix(&self, prefix: &str) -> Result<Listing, StoreError> {
+        let prefix = prefix.to_owned();
+        self.run(move |conn| {
+            let entries = conn
+                .prepare_cached("SELECT key, value, create_revision, mod_revision FROM kv WHERE key >= ?1 AND key < ?2 ORDER BY key")?
+                .query_map(params![prefix, prefix_end(&prefix)], row_entry)?
+                .collect::<rusqlite::Result<Vec<Entry>>>()?;
+            let revision: i64 = conn.query_row("SELECT value FROM meta WHERE name = 'revision'", [], |r| r.get(0))?;
+            Ok(Listing { entries, revision: revision as u64 })
+        })
+        .await
     }
 }
 
 #[async_trait]
 impl Store for SqliteStore {
     async fn get(&self, key: &str) -> Result<Option<Entry>, StoreError> {
-        Ok(self.mirror.get(key))
+        self.mirror.get_through(key, &self.reader).await
+    }
+
+    async fn get_many(&self, keys: &[String]) -> Result<Vec<Option<Entry>>, StoreError> {
+        self.mirror.get_many_through(keys, &self.reader).await
     }
 
     async fn list(&self, prefix: &str) -> Result<Listing, StoreError> {
-        Ok(self.mirror.list(prefix))
+        self.mirror.list_through(prefix, &self.reader).await
+    }
+
+    fn list_keys(&self, prefix: &str) -> Listing {
+        self.mirror.list_keys(prefix)
     }
 
     async fn txn(&self, ops: Vec<Op>) -> Result<u64, StoreError> {
@@ -268,11 +334,15 @@ mod tests {
             store.put("/x", b"1".to_vec(), Precondition::None).await?;
             store.put("/y", b"2".to_vec(), Precondition::None).await?;
             store.delete("/x", Precondition::Exists).await?;
+            store.put("/events/m1/0", b"history".to_vec(), Precondition::None).await?;
         }
         let store = open(&dir);
-        assert_eq!(store.revision(), 3);
+        assert_eq!(store.revision(), 4);
         assert!(store.get("/x").await?.is_none());
         assert_eq!(store.get("/y").await?.map(|e| e.mod_revision), Some(2));
+        // Loaded without the values not held in memory, which are read from the file.
+        assert_eq!(store.mirror.get("/events/m1/0").map(|e| (e.value.len(), e.mod_revision)), Some((0, 4)));
+        assert_eq!(store.get("/events/m1/0").await?.map(|e| e.value.to_vec()), Some(b"history".to_vec()));
         Ok(())
     }
 }
