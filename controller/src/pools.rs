@@ -489,7 +489,14 @@ impl Registry {
         }
         let changed = given.iter().filter(|(_, _, spec_changed)| *spec_changed);
         let wanted = changed.map(|(machine, _, _)| (machine.metadata.name_str().to_owned(), vec![spec_changed_event(machine, pool)]));
+        let reading = std::time::Instant::now();
         let mut appends = self.events_appends(wanted.collect()).await?.into_iter();
+        tracing::debug!(
+            pool = pool.metadata.name_str(),
+            machines = appends.len(),
+            read_ms = reading.elapsed().as_millis() as u64,
+            "read the newest event segments"
+        );
         for (machine, revision, spec_changed) in given {
             let name = machine.metadata.name_str();
             let mut ops = Vec::with_capacity(2);

@@ -828,7 +828,8 @@ impl Follower {
     }
 
     /// After a compaction took the revisions the watch needed: the differences between the
-    /// mirror and a fresh listing become changes, so watchers still see every key's end state.
+    /// mirror and a fresh listing become changes, so watchers still see every key's end state
+    /// (without the values the mirror does not hold, which the listing leaves out).
     async fn relist(&self) -> Result<(), StoreError> {
         let (entries, revision) = list_all(&self.client, &self.prefix).await?;
         let mut changes = Vec::new();
