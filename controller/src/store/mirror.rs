@@ -83,7 +83,7 @@ impl Mirror {
     }
 
     /// `entry` as the mirror keeps it: without its value when that is not held.
-    pub fn kept(&self, entry: &Entry) -> Entry {
+    fn kept(&self, entry: &Entry) -> Entry {
         if value_in_memory(&entry.key) { entry.clone() } else { self.without_value(entry) }
     }
 
