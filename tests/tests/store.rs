@@ -356,6 +356,43 @@ async fn replicas_on_one_etcd_lose_no_update_and_see_each_others_writes() -> R {
     Ok(())
 }
 
+/// Values not held in memory are read from etcd. A read made while the cluster has lost its
+/// quorum is sent again until a leader answers, as writes are, instead of failing the agent's
+/// request or the rollout pass that made it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn reads_from_etcd_wait_out_a_lost_quorum() -> R {
+    let dir = tempfile::tempdir()?;
+    let mut members = etcd::start_cluster(dir.path(), etcd::STORE_VERSION, 3);
+    etcd::wait_serving(&members).await?;
+    let store = Arc::new(open_etcd(&members, "/fleet").await?);
+    store.put("/events/m/1", b"one".to_vec(), Precondition::Absent).await?;
+    let initial = members.iter().map(EtcdMember::initial_cluster_entry).collect::<Vec<_>>().join(",");
+    members[1].kill();
+    members[2].kill();
+    let key = "/events/m/1".to_owned();
+    let reads = tokio::spawn({
+        let store = store.clone();
+        async move {
+            let (one, many, listed) = tokio::join!(store.get(&key), store.get_many(std::slice::from_ref(&key)), store.list("/events/m/"));
+            anyhow::Ok((one?, many?, listed?))
+        }
+    });
+    // Longer than the surviving member waits for a leader to confirm a read before it
+    // answers that the read timed out (5 s and two election timeouts: 6 s here).
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    if reads.is_finished() {
+        bail!("the reads ended while the cluster had no leader: {:?}", reads.await?.map(|_| ()));
+    }
+    members[1].start("existing", &initial);
+    let (one, many, listed) =
+        tokio::time::timeout(Duration::from_secs(20), reads).await.context("reads still waiting 20 s after the quorum came back")???;
+    let value = |e: Option<&keelson_controller::store::Entry>| e.map(|e| e.value.to_vec());
+    assert_eq!(value(one.as_ref()), Some(b"one".to_vec()));
+    assert_eq!(value(many[0].as_ref()), Some(b"one".to_vec()));
+    assert_eq!(value(listed.entries.first()), Some(b"one".to_vec()));
+    Ok(())
+}
+
 /// Whether etcd still holds `key` as it was at `revision`.
 async fn history_holds(client: &etcd_client::Client, key: &str, revision: i64) -> anyhow::Result<bool> {
     match client.kv_client().get(key, Some(etcd_client::GetOptions::new().with_revision(revision))).await {

@@ -226,23 +226,15 @@ impl Writer {
         Ok(format!("{}{key}", self.prefix))
     }
 
-    /// Sends `txn`, again on a transport failure, a member without a leader or an overloaded
-    /// one (`retryable`), for up to `REQUEST_RETRY_FOR`; says whether it was sent more than
-    /// once.
+    /// Sends `txn` (`again`); says whether it was sent more than once.
     async fn send(&self, txn: Txn) -> Result<(etcd_client::TxnResponse, bool), StoreError> {
-        let deadline = Instant::now() + REQUEST_RETRY_FOR;
-        let mut retried = false;
-        loop {
-            match kv(&self.client).txn(txn.clone()).await {
-                Ok(response) => return Ok((response, retried)),
-                Err(e) if retryable(&e) && Instant::now() < deadline => {
-                    tracing::debug!(error = %e, "etcd transaction failed; sending it again");
-                    retried = true;
-                    tokio::time::sleep(RETRY_DELAY).await;
-                }
-                Err(e) => return Err(refused(e)),
-            }
-        }
+        let client = &self.client;
+        again("transaction", || {
+            let txn = txn.clone();
+            async move { kv(client).txn(txn).await }
+        })
+        .await
+        .map_err(refused)
     }
 
     /// `ops` as the parts of an etcd transaction: the compares of their preconditions, their
@@ -498,6 +490,30 @@ fn retryable(e: &etcd_client::Error) -> bool {
     }
 }
 
+/// Sends a request, and again on a transport failure, a member without a leader or an
+/// overloaded one (`retryable`), for up to `REQUEST_RETRY_FOR`; gives the answer and whether
+/// the request was sent more than once. Reads and writes alike: a read that fails during an
+/// election would otherwise fail the agent's request or the rollout pass that made it.
+async fn again<T, Request, Answer>(what: &str, mut request: Request) -> Result<(T, bool), etcd_client::Error>
+where
+    Request: FnMut() -> Answer,
+    Answer: Future<Output = Result<T, etcd_client::Error>>,
+{
+    let deadline = Instant::now() + REQUEST_RETRY_FOR;
+    let mut retried = false;
+    loop {
+        match request().await {
+            Ok(answer) => return Ok((answer, retried)),
+            Err(e) if retryable(&e) && Instant::now() < deadline => {
+                tracing::debug!(error = %e, "etcd {what} failed; sending it again");
+                retried = true;
+                tokio::time::sleep(RETRY_DELAY).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// What a failed request means for its caller: a request that could not get through in
 /// time, or a cluster out of space, is worth trying later (503); anything else is a fault.
 fn refused(e: etcd_client::Error) -> StoreError {
@@ -589,7 +605,13 @@ async fn list_range(
         if read == Read::KeysOnly {
             options = options.with_keys_only();
         }
-        let response = kv(client).get(from.as_str(), Some(options)).await.map_err(backend)?;
+        let key = from.as_str();
+        let (response, _) = again("listing", || {
+            let options = options.clone();
+            async move { kv(client).get(key, Some(options)).await }
+        })
+        .await
+        .map_err(refused)?;
         if revision == 0 {
             revision = revision_of(response.header().map_or(0, |h| h.revision()));
         }
@@ -627,7 +649,13 @@ impl Backend for Reads {
         let read = futures_util::stream::iter(chunks)
             .map(|chunk| async move {
                 let gets = chunk.iter().map(|k| TxnOp::get(format!("{}{k}", self.prefix), None)).collect::<Vec<_>>();
-                let response = kv(&self.client).txn(Txn::new().and_then(gets)).await.map_err(refused)?;
+                let client = &self.client;
+                let (response, _) = again("read", || {
+                    let gets = gets.clone();
+                    async move { kv(client).txn(Txn::new().and_then(gets)).await }
+                })
+                .await
+                .map_err(refused)?;
                 response
                     .op_responses()
                     .into_iter()
