@@ -17,7 +17,7 @@ use keelson_api::validate::validate_cluster;
 use keelson_api::version::KubeVersion;
 
 use crate::error::ApiError;
-use crate::registry::{CAS_ATTEMPTS, POOLS, Registry, Versioned, encode, new_uid, not_found, parse_resource_version};
+use crate::registry::{CAS_ATTEMPTS, POOLS, Registry, Versioned, after_conflict, encode, new_uid, not_found, parse_resource_version};
 use crate::store::{Op, Precondition, StoreError};
 
 pub const CLUSTERS: &str = "/clusters/";
@@ -46,7 +46,7 @@ impl Registry {
         let name = input.metadata.name_str().to_owned();
         let expected = parse_resource_version(input.metadata.resource_version.as_deref())?;
         let key = format!("{CLUSTERS}{name}");
-        for _ in 0..CAS_ATTEMPTS {
+        for attempt in 0..CAS_ATTEMPTS {
             let current: Option<Versioned<KubernetesCluster>> = self.get(&key).await?;
             if let Some(rv) = expected
                 && current.as_ref().map(|c| c.revision) != Some(rv)
@@ -81,7 +81,10 @@ impl Registry {
             let cluster = KubernetesCluster { status, ..cluster };
             match self.store.txn(vec![Op::Put { key: key.clone(), value: encode(&cluster), precondition }]).await {
                 Ok(revision) => return Ok(Versioned { object: cluster, revision }),
-                Err(StoreError::Conflict { .. }) => continue,
+                Err(StoreError::Conflict { .. }) => {
+                    after_conflict(attempt).await;
+                    continue;
+                }
                 Err(e) => return Err(e.into()),
             }
         }

@@ -20,13 +20,11 @@
 //! event. Such a list is read as the oldest part of the history until the machine's next
 //! event, which moves the list's newest events into segments.
 
-use std::time::Duration;
-
 use futures_util::{StreamExt, TryStreamExt};
 use keelson_api::wire::Event;
 
 use crate::error::ApiError;
-use crate::registry::{CAS_ATTEMPTS, EVENTS, Registry, decode, encode, event};
+use crate::registry::{CAS_ATTEMPTS, EVENTS, Registry, after_conflict, decode, encode, event};
 use crate::store::{Entry, Op, Precondition, StoreError};
 
 /// Events shown per machine.
@@ -126,10 +124,7 @@ impl Registry {
                 Ok(_) => return Ok(()),
                 // Writers that met on the newest segment try again at different times, or
                 // the same one would lose to the others every round.
-                Err(StoreError::Conflict { .. }) => {
-                    let most = 2u64 << attempt.min(5);
-                    tokio::time::sleep(Duration::from_millis(rand::random_range(0..=most))).await;
-                }
+                Err(StoreError::Conflict { .. }) => after_conflict(attempt).await,
                 Err(e) => return Err(e.into()),
             }
         }

@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::drain::{Drain, DrainPhase, drain_key};
 use crate::error::ApiError;
-use crate::registry::{CAS_ATTEMPTS, POOLS, Registry, Versioned, decode, encode, owning_pool};
+use crate::registry::{CAS_ATTEMPTS, POOLS, Registry, Versioned, after_conflict, decode, encode, owning_pool};
 use crate::store::{Op, Precondition, StoreError};
 
 pub const LEASES: &str = "/leases/";
@@ -217,7 +217,7 @@ impl Registry {
     /// Splits a scope's leases kept in the earlier one-key layout into lease keys, and moves
     /// its budget key so that a grant that read the scope before the split cannot commit.
     async fn split_legacy_leases(&self, scope: &Scope) -> Result<(), ApiError> {
-        'attempt: for _ in 0..CAS_ATTEMPTS {
+        'attempt: for attempt in 0..CAS_ATTEMPTS {
             let Some(legacy) = self.get::<PoolLeases>(&scope.legacy_key()).await? else {
                 return Ok(());
             };
@@ -234,7 +234,10 @@ impl Registry {
                 ops.push(unchanged());
                 match self.store.txn(ops).await {
                     Ok(_) => {}
-                    Err(StoreError::Conflict { .. }) => continue 'attempt,
+                    Err(StoreError::Conflict { .. }) => {
+                        after_conflict(attempt).await;
+                        continue 'attempt;
+                    }
                     Err(e) => return Err(e.into()),
                 }
             }
@@ -247,7 +250,10 @@ impl Registry {
                     tracing::info!(scope = scope.name, leases = held.len(), "split the scope's disruption leases into one key each");
                     return Ok(());
                 }
-                Err(StoreError::Conflict { .. }) => continue,
+                Err(StoreError::Conflict { .. }) => {
+                    after_conflict(attempt).await;
+                    continue;
+                }
                 Err(e) => return Err(e.into()),
             }
         }
@@ -262,7 +268,7 @@ impl Registry {
         // process spares them a storm of compare-and-swap retries when a wave starts. The
         // compare-and-swap still guards against other replicas.
         let one_at_a_time = self.lease_lock.lock().await;
-        for _ in 0..CAS_ATTEMPTS {
+        for attempt in 0..CAS_ATTEMPTS {
             // The budget key first, then the leases: the listing is at least as new as the
             // budget's revision, so it holds every lease granted up to it; a grant after it
             // moved the budget key, and the compare below fails.
@@ -295,7 +301,11 @@ impl Registry {
                     .map(|l| Op::Delete { key: scope.lease_key(&l.object.machine), precondition: Precondition::Revision(l.revision) })
                     .collect();
                 match self.store.txn(ops).await {
-                    Ok(_) | Err(StoreError::Conflict { .. }) => continue,
+                    Ok(_) => continue,
+                    Err(StoreError::Conflict { .. }) => {
+                        after_conflict(attempt).await;
+                        continue;
+                    }
                     Err(e) => return Err(e.into()),
                 }
             } else if let Some(d) = drain
@@ -371,7 +381,7 @@ impl Registry {
                     .await?;
                     return Ok(Decision::Granted(lease));
                 }
-                (Err(StoreError::Conflict { .. }), _) => continue,
+                (Err(StoreError::Conflict { .. }), _) => after_conflict(attempt).await,
                 (Err(e), _) => return Err(e.into()),
             }
         }
@@ -493,7 +503,7 @@ impl Registry {
         let scope = self.lease_scope(name).await?;
         self.split_legacy_leases(&scope).await?;
         let key = scope.lease_key(name);
-        for _ in 0..CAS_ATTEMPTS {
+        for attempt in 0..CAS_ATTEMPTS {
             let now = meta::now();
             let current = self.get::<Lease>(&key).await?.filter(|l| l.object.id == id && l.object.expires_at > now);
             let Some(current) = current else {
@@ -521,7 +531,10 @@ impl Registry {
                         self.drain_wake.notify_one();
                         return Ok(None);
                     }
-                    Err(StoreError::Conflict { .. }) => continue,
+                    Err(StoreError::Conflict { .. }) => {
+                        after_conflict(attempt).await;
+                        continue;
+                    }
                     Err(e) => return Err(e.into()),
                 }
             }
@@ -539,7 +552,10 @@ impl Registry {
                     }
                     return Ok(result);
                 }
-                Err(StoreError::Conflict { .. }) => continue,
+                Err(StoreError::Conflict { .. }) => {
+                    after_conflict(attempt).await;
+                    continue;
+                }
                 Err(e) => return Err(e.into()),
             }
         }

@@ -14,8 +14,8 @@ use sha2::Digest;
 
 use crate::error::ApiError;
 use crate::registry::{
-    CAS_ATTEMPTS, Deletion, MACHINES, POOLS, REVISIONS, ROLLOUTS, Registry, Versioned, encode, event, new_uid, not_found, owning_pool,
-    parse_resource_version,
+    CAS_ATTEMPTS, Deletion, MACHINES, POOLS, REVISIONS, ROLLOUTS, Registry, Versioned, after_conflict, encode, event, new_uid, not_found,
+    owning_pool, parse_resource_version,
 };
 use crate::rollout::{self, Member, RolloutState};
 use crate::store::{Op, Precondition, StoreError};
@@ -143,8 +143,11 @@ impl Registry {
         let name = input.metadata.name.clone().ok_or_else(|| ApiError::invalid("metadata.name", "is required"))?;
         let expected = parse_resource_version(input.metadata.resource_version.as_deref())?;
         let key = format!("{POOLS}{name}");
-        for _ in 0..CAS_ATTEMPTS {
-            let Some((applied, new_revision)) = self.apply_pool_once(input.clone(), &name, expected, &key).await? else { continue };
+        for attempt in 0..CAS_ATTEMPTS {
+            let Some((applied, new_revision)) = self.apply_pool_once(input.clone(), &name, expected, &key).await? else {
+                after_conflict(attempt).await;
+                continue;
+            };
             if new_revision {
                 self.prune_revisions(&applied.object).await?;
             }
@@ -256,7 +259,7 @@ impl Registry {
     /// Sets `spec.rollout.paused`.
     pub async fn set_paused(&self, name: &str, paused: bool) -> Result<Versioned<MachinePool>, ApiError> {
         let key = format!("{POOLS}{name}");
-        for _ in 0..CAS_ATTEMPTS {
+        for attempt in 0..CAS_ATTEMPTS {
             let current = self.pool(name).await?;
             let mut pool = current.object;
             if pool.spec.rollout.paused != paused {
@@ -270,7 +273,10 @@ impl Registry {
                     return Ok(Versioned { object: pool, revision });
                 }
                 // The rollout pass recorded the pool's status meanwhile.
-                Err(StoreError::Conflict { .. }) => continue,
+                Err(StoreError::Conflict { .. }) => {
+                    after_conflict(attempt).await;
+                    continue;
+                }
                 Err(e) => return Err(e.into()),
             }
         }
@@ -286,7 +292,10 @@ impl Registry {
             let mut attempts = 1;
             loop {
                 match self.undo_locked(name, to, None).await {
-                    Err(ApiError::Conflict(_)) if attempts < CAS_ATTEMPTS => attempts += 1,
+                    Err(ApiError::Conflict(_)) if attempts < CAS_ATTEMPTS => {
+                        after_conflict(attempts).await;
+                        attempts += 1;
+                    }
                     undone => break undone?,
                 }
             }

@@ -42,6 +42,14 @@ pub const ETCD_CLUSTERS: &str = "/etcd-clusters/";
 
 /// Attempts at a read-modify-write before giving up on a busy key.
 pub(crate) const CAS_ATTEMPTS: usize = 16;
+
+/// Waits before attempt `attempt` + 1 at a compare-and-swap that lost to another writer: a
+/// random time up to 2, 4, … 64 ms. Writers that met on a key then try again at different
+/// times, instead of meeting again every round until one runs out of attempts.
+pub(crate) async fn after_conflict(attempt: usize) {
+    let most = 2u64 << attempt.min(5);
+    tokio::time::sleep(std::time::Duration::from_millis(rand::random_range(0..=most))).await;
+}
 const DEFAULT_TOKEN_TTL_SECS: u64 = 24 * 3600;
 const MAX_TOKEN_TTL_SECS: u64 = 365 * 24 * 3600;
 
@@ -344,7 +352,7 @@ impl Registry {
         F: FnMut(&mut Machine, Option<&Entry>) -> Result<bool, ApiError> + Send,
     {
         let key = format!("{MACHINES}{name}");
-        for _ in 0..CAS_ATTEMPTS {
+        for attempt in 0..CAS_ATTEMPTS {
             let mut current = self.machine(name).await?;
             let guarded = match guard {
                 Some(g) => Some((g, self.store.get(g).await?)),
@@ -361,7 +369,10 @@ impl Registry {
             }
             match self.store.txn(ops).await {
                 Ok(revision) => return Ok((Versioned { object: current.object, revision }, true)),
-                Err(StoreError::Conflict { .. }) => continue,
+                Err(StoreError::Conflict { .. }) => {
+                    after_conflict(attempt).await;
+                    continue;
+                }
                 Err(e) => return Err(e.into()),
             }
         }
@@ -374,7 +385,7 @@ impl Registry {
         let name = input.metadata.name.clone().ok_or_else(|| ApiError::invalid("metadata.name", "is required"))?;
         let expected = parse_resource_version(input.metadata.resource_version.as_deref())?;
         let key = format!("{MACHINES}{name}");
-        for _ in 0..CAS_ATTEMPTS {
+        for attempt in 0..CAS_ATTEMPTS {
             let current: Option<Versioned<Machine>> = self.get(&key).await?;
             if let Some(rv) = expected {
                 let found = current.as_ref().map(|c| c.revision);
@@ -460,7 +471,7 @@ impl Registry {
                     }
                     return Ok(Versioned { object: machine, revision });
                 }
-                Err(StoreError::Conflict { .. }) if expected.is_none() => continue,
+                Err(StoreError::Conflict { .. }) if expected.is_none() => after_conflict(attempt).await,
                 Err(e) => return Err(e.into()),
             }
         }
@@ -563,7 +574,7 @@ impl Registry {
     pub async fn record_status(&self, name: &Name, report: AgentStatus) -> Result<(), ApiError> {
         let now = meta::now();
         let key = format!("{MACHINES}{name}");
-        for _ in 0..CAS_ATTEMPTS {
+        for attempt in 0..CAS_ATTEMPTS {
             let current = self.machine(name.as_str()).await?;
             let mut machine = current.object.clone();
             apply_report(&mut machine, &report, now)?;
@@ -589,7 +600,10 @@ impl Registry {
                     }
                     return Ok(());
                 }
-                Err(StoreError::Conflict { .. }) => continue,
+                Err(StoreError::Conflict { .. }) => {
+                    after_conflict(attempt).await;
+                    continue;
+                }
                 Err(e) => return Err(e.into()),
             }
         }
@@ -693,6 +707,7 @@ impl Registry {
                     resource.metadata.resource_version = Some(revision.to_string());
                     return Ok(TokenCreated { token: token.to_string(), resource });
                 }
+                // Another token has the id: draw another.
                 Err(StoreError::Conflict { .. }) => continue,
                 Err(e) => return Err(e.into()),
             }
@@ -714,7 +729,7 @@ impl Registry {
             None => cn.parse().map_err(|e: meta::NameError| ApiError::invalid("csr", format!("common name: {e}")))?,
         };
         let _one_at_a_time = self.enroll_lock.lock().await;
-        for _ in 0..CAS_ATTEMPTS {
+        for attempt in 0..CAS_ATTEMPTS {
             let token_key = format!("{TOKENS}{}", token.id);
             let Some(stored) = self.get::<StoredToken>(&token_key).await? else {
                 return Err(ApiError::Unauthorized("bootstrap token is not valid".into()));
@@ -798,7 +813,10 @@ impl Registry {
                     .await?;
                     return Ok(EnrollResponse { name, certificate: issued.cert_pem, ca_bundle: self.authority.cert_pem.clone() });
                 }
-                Err(StoreError::Conflict { .. }) => continue,
+                Err(StoreError::Conflict { .. }) => {
+                    after_conflict(attempt).await;
+                    continue;
+                }
                 Err(e) => return Err(e.into()),
             }
         }
@@ -818,7 +836,7 @@ impl Registry {
             return Err(ApiError::invalid("csr", format!("the CSR's common name must be {name}")));
         }
         let key = format!("{IDENTITIES}{name}");
-        for _ in 0..CAS_ATTEMPTS {
+        for attempt in 0..CAS_ATTEMPTS {
             let current: Versioned<Identity> =
                 self.get(&key).await?.ok_or_else(|| ApiError::Forbidden(format!("machine {name} is not enrolled")))?;
             let issued = self.authority.issue_machine(name, csr_pem).map_err(|e| ApiError::invalid("csr", e.to_string()))?;
@@ -844,7 +862,10 @@ impl Registry {
                         ca_bundle: self.authority.cert_pem.clone(),
                     });
                 }
-                Err(StoreError::Conflict { .. }) => continue,
+                Err(StoreError::Conflict { .. }) => {
+                    after_conflict(attempt).await;
+                    continue;
+                }
                 Err(e) => return Err(e.into()),
             }
         }
@@ -861,4 +882,46 @@ fn random_token_part(len: usize) -> String {
 
 pub fn sha256_hex(text: &str) -> String {
     hex::encode(Sha256::digest(text.as_bytes()))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::store::StoreExt;
+    use crate::store::sqlite::SqliteStore;
+
+    /// Writers that meet on one machine all get through: one that lost a compare-and-swap
+    /// waits a random while before its next attempt, instead of meeting the others again at
+    /// once until it runs out of attempts.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn many_writers_on_one_machine_all_get_through() -> anyhow::Result<()> {
+        const WRITERS: usize = 48;
+        let dir = tempfile::tempdir()?;
+        let store: Arc<dyn Store> = Arc::new(SqliteStore::open(&dir.path().join("keelson.db"))?);
+        let (authority, _) = Authority::load_or_create(dir.path())?;
+        let (_, leading) = tokio::sync::watch::channel(true);
+        let registry = Arc::new(Registry::new(store.clone(), Arc::new(authority), leading));
+        store.put(&format!("{MACHINES}m"), encode(&Machine::new("m".parse()?)), Precondition::Absent).await?;
+        let writers: Vec<_> = (0..WRITERS)
+            .map(|i| {
+                let registry = registry.clone();
+                tokio::spawn(async move {
+                    registry
+                        .update_machine("m", |m| {
+                            m.metadata.annotations.insert(format!("writer-{i}"), "was here".into());
+                            Ok(true)
+                        })
+                        .await
+                })
+            })
+            .collect();
+        for w in writers {
+            w.await??;
+        }
+        let machine = registry.machine("m").await?.object;
+        assert_eq!(machine.metadata.annotations.len(), WRITERS, "a writer's change was lost");
+        Ok(())
+    }
 }
