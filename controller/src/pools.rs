@@ -649,7 +649,12 @@ impl Registry {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use super::*;
+    use crate::pki::Authority;
+    use crate::store::sqlite::SqliteStore;
+    use crate::store::{Store, StoreExt};
 
     fn machine(name: &str, created_secs: i64, marked: bool) -> Machine {
         let mut m = Machine::new(name.parse().unwrap_or_else(|e| panic!("{e:?}")));
@@ -680,5 +685,44 @@ mod tests {
         assert_eq!(once.len(), 3);
         assert_eq!(once[0], "c");
         assert_eq!(names(pick_for_deletion(&live, 0, 1, DeletionOrder::Random, 5)), once);
+    }
+
+    /// A pass over more machines than a transaction holds gives each its revision, and then
+    /// exactly one event saying so.
+    #[tokio::test]
+    async fn a_pass_gives_every_machine_its_revision_then_one_event() -> anyhow::Result<()> {
+        const MACHINES_GIVEN: usize = 250;
+        let dir = tempfile::tempdir()?;
+        let store: Arc<dyn Store> = Arc::new(SqliteStore::open(&dir.path().join("keelson.db"))?);
+        let (authority, _) = Authority::load_or_create(dir.path())?;
+        let (_, leading) = tokio::sync::watch::channel(true);
+        let registry = Registry::new(store.clone(), Arc::new(authority), leading);
+        let pool = serde_json::json!({"apiVersion": "keelson.io/v1alpha1", "kind": "MachinePool",
+            "metadata": {"name": "web", "creationTimestamp": "2026-01-01T00:00:00Z"},
+            "spec": {"selector": {"matchLabels": {"pool": "web"}}, "template": {"spec": {"roles": ["worker"]}},
+                     "rollout": {"maxUnavailable": MACHINES_GIVEN}}});
+        store.put("/pools/web", serde_json::to_vec(&pool)?, Precondition::Absent).await?;
+        let names: Vec<String> = (0..MACHINES_GIVEN).map(|i| format!("m{i:03}")).collect();
+        for name in &names {
+            let machine = serde_json::json!({"apiVersion": "keelson.io/v1alpha1", "kind": "Machine",
+                "metadata": {"name": name, "labels": {"pool": "web"}},
+                "status": {"conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}});
+            store.put(&format!("{MACHINES}{name}"), serde_json::to_vec(&machine)?, Precondition::Absent).await?;
+        }
+        registry.reconcile_pools().await?;
+        let pool = registry.pool("web").await?.object;
+        let (template, revision) = (pool.spec.template.spec, pool.status.revision);
+        for name in &names {
+            let machine = registry.machine(name).await?.object;
+            assert_eq!(machine.spec, template, "{name} was not given the template");
+            let events: Vec<(String, String)> = registry.events(name).await?.into_iter().map(|e| (e.reason, e.message)).collect();
+            let generation = machine.metadata.generation;
+            assert_eq!(
+                events,
+                [("SpecChanged".to_owned(), format!("generation {generation} from pool web revision {revision}"))],
+                "{name}"
+            );
+        }
+        Ok(())
     }
 }
