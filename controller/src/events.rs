@@ -84,6 +84,7 @@ impl Filling {
 /// The writes that put `events` after `newest` (the newest segment, `None` when there is
 /// none), filling it first, then segments numbered from `next`.
 fn fill(prefix: &str, newest: Option<&Entry>, mut next: u64, events: Vec<Event>) -> Result<(Vec<Op>, usize), ApiError> {
+    let first_new = format!("{prefix}{next:020}");
     let mut segments = Vec::new();
     if let Some(newest) = newest {
         let events: Vec<Event> = decode(&newest.key, &newest.value)?;
@@ -103,11 +104,17 @@ fn fill(prefix: &str, newest: Option<&Entry>, mut next: u64, events: Vec<Event>)
         segment.changed = true;
     }
     let begun = segments.iter().filter(|s| s.precondition == Precondition::Absent).count();
-    let ops = segments
+    let mut ops: Vec<Op> = segments
         .into_iter()
         .filter(|s| s.changed)
         .map(|s| Op::Put { key: s.key, value: encode(&s.events), precondition: s.precondition })
         .collect();
+    // Appending to the newest segment alone: not if another writer has begun the next one
+    // meanwhile (another replica, whose key is not in this one's copy yet). These events
+    // would then land before that writer's, though they came after.
+    if begun == 0 && !ops.is_empty() {
+        ops.push(Op::Check { key: first_new, precondition: Precondition::Absent });
+    }
     Ok((ops, begun))
 }
 
@@ -291,6 +298,24 @@ mod tests {
         for segment in store.list("/events/m1/").await?.entries {
             assert!(segment.value.len() <= SEGMENT_BYTES, "{} holds {} bytes", segment.key, segment.value.len());
         }
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn an_append_to_the_newest_segment_is_refused_once_another_writer_has_begun_the_next() -> R {
+        let dir = tempfile::tempdir()?;
+        let (registry, store) = registry(&dir)?;
+        store.put("/events/m1/00000000000000000000", encode(&numbered(0, 5)), Precondition::Absent).await?;
+        let append = registry.events_appends(vec![("m1".into(), numbered(5, 6))]).await?.remove(0);
+        // Meanwhile another replica, which found the segment too full for its event, begins
+        // the next one.
+        store.put("/events/m1/00000000000000000001", encode(&numbered(6, 7)), Precondition::Absent).await?;
+        let refused = store.txn(append.ops).await;
+        assert!(matches!(refused, Err(StoreError::Conflict { .. })), "{refused:?}");
+        // Tried again, event 5 goes after event 6, which was written before it.
+        registry.append_events("m1", numbered(5, 6)).await?;
+        assert_eq!(messages(&registry.events("m1").await?), [0, 1, 2, 3, 4, 6, 5]);
+        assert_eq!(segment_sizes(&store).await?, [5, 2]);
         Ok(())
     }
 
