@@ -4,6 +4,7 @@
 
 mod census;
 pub mod clusters;
+mod decoded;
 pub mod drain;
 pub mod error;
 pub mod etcd_pki;

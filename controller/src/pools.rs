@@ -2,6 +2,7 @@
 //! that hands each member the current revision when the scheduler (`rollout`) says so.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use futures_util::{StreamExt, TryStreamExt};
 use keelson_api::cluster::KubernetesCluster;
@@ -350,10 +351,10 @@ impl Registry {
         let _pass = self.rollout_lock.lock().await;
         let started = std::time::Instant::now();
         let (pools, _) = self.list::<MachinePool>(POOLS).await?;
-        let (machines, _) = self.list::<Machine>(MACHINES).await?;
+        let (machines, _) = self.decoded_machines.lock().await.catch_up(self.store.as_ref()).await?;
         let (clusters, _) = self.list::<KubernetesCluster>(crate::clusters::CLUSTERS).await?;
         let listed = started.elapsed();
-        let by_name: std::collections::HashMap<&str, &Versioned<Machine>> =
+        let by_name: std::collections::HashMap<&str, &Versioned<Arc<Machine>>> =
             machines.iter().map(|m| (m.object.metadata.name_str(), m)).collect();
         let mut members: BTreeMap<&str, Vec<&Machine>> = BTreeMap::new();
         let mut deleting: BTreeMap<&str, usize> = BTreeMap::new();
@@ -423,7 +424,7 @@ impl Registry {
                 now: meta::now(),
             });
             let picked: std::collections::BTreeSet<&str> = decision.update.iter().map(String::as_str).collect();
-            let give: Vec<&Versioned<Machine>> = members
+            let give: Vec<&Versioned<Arc<Machine>>> = members
                 .get(name)
                 .into_iter()
                 .flatten()
@@ -485,14 +486,14 @@ impl Registry {
     /// listed, so a 10,000-machine fan-out is a few hundred commits, not 20,000. A refused
     /// transaction commits nothing; its machines are then given their revision one by one,
     /// each read afresh.
-    async fn give_revisions(&self, listed: &[&Versioned<Machine>], pool: &MachinePool) -> Result<(), ApiError> {
+    async fn give_revisions(&self, listed: &[&Versioned<Arc<Machine>>], pool: &MachinePool) -> Result<(), ApiError> {
         // Each transaction: the machines' names (to retry one by one), its ops, its bytes.
         let mut batches: Vec<(Vec<String>, Vec<Op>, usize)> = Vec::new();
         // Machines whose event history is to be trimmed once their events are written.
         let mut to_trim = Vec::new();
         let mut given = Vec::new();
         for v in listed {
-            let mut machine = v.object.clone();
+            let mut machine = Machine::clone(&v.object);
             let Some(spec_changed) = take_revision(&mut machine, pool) else { continue };
             given.push((machine, v.revision, spec_changed));
         }

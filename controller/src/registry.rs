@@ -117,6 +117,8 @@ pub struct Registry {
     pub(crate) lease_lock: tokio::sync::Mutex<()>,
     /// The pools' members and which are unavailable, for lease decisions (crate::census).
     pub(crate) census: std::sync::Mutex<crate::census::Census>,
+    /// Every machine, decoded, for the rollout pass (crate::decoded).
+    pub(crate) decoded_machines: tokio::sync::Mutex<crate::decoded::DecodedMachines>,
     /// Woken when a pool member's progress changes (generation applied, Ready, Degraded,
     /// reachability), so rollouts move at once rather than at the next periodic pass.
     pub rollout_wake: tokio::sync::Notify,
@@ -248,6 +250,7 @@ impl Registry {
             rollout_lock: tokio::sync::Mutex::new(()),
             lease_lock: tokio::sync::Mutex::new(()),
             census: std::sync::Mutex::new(crate::census::Census::default()),
+            decoded_machines: tokio::sync::Mutex::new(crate::decoded::DecodedMachines::default()),
             rollout_wake: tokio::sync::Notify::new(),
             drain_wake: tokio::sync::Notify::new(),
         }
