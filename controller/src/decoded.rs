@@ -7,14 +7,14 @@
 //! one (`Store::since`, from the store's memory like a listing), and decodes afresh only
 //! when the store no longer keeps those changes.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use keelson_api::machine::Machine;
 
 use crate::error::ApiError;
 use crate::registry::{MACHINES, Versioned, decode};
-use crate::store::{Entry, Since, Store};
+use crate::store::{Change, Entry, Since, Store};
 
 #[derive(Debug, Default)]
 pub(crate) struct DecodedMachines {
@@ -31,14 +31,18 @@ impl DecodedMachines {
     pub async fn catch_up(&mut self, store: &dyn Store) -> Result<(Vec<Versioned<Arc<Machine>>>, u64), ApiError> {
         let caught_up = match store.since(MACHINES, self.revision) {
             Since::Changes { changes, revision } => {
+                // A machine that changed several times needs only its newest value.
+                let newest: HashMap<&str, &Change> = changes.iter().map(|c| (c.entry.key.as_str(), &**c)).collect();
                 let mut result = Ok(revision);
-                for change in changes {
+                for change in newest.into_values() {
                     if change.deleted {
                         self.machines.remove(&change.entry.key);
                     } else if let Err(e) = self.put(&change.entry) {
                         result = Err(e);
                         break;
                     }
+                    // After a fan-out every machine has changed: as long as a listing.
+                    tokio::task::coop::consume_budget().await;
                 }
                 result
             }
