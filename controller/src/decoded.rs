@@ -29,39 +29,7 @@ impl DecodedMachines {
     /// Brings the copy up to the store's newest revision and returns every machine, in name
     /// order, with the revision of this view.
     pub async fn catch_up(&mut self, store: &dyn Store) -> Result<(Vec<Versioned<Arc<Machine>>>, u64), ApiError> {
-        let caught_up = match store.since(MACHINES, self.revision) {
-            Since::Changes { changes, revision } => {
-                // A machine that changed several times needs only its newest value.
-                let newest: HashMap<&str, &Change> = changes.iter().map(|c| (c.entry.key.as_str(), &**c)).collect();
-                let mut result = Ok(revision);
-                for change in newest.into_values() {
-                    if change.deleted {
-                        self.machines.remove(&change.entry.key);
-                    } else if let Err(e) = self.put(&change.entry) {
-                        result = Err(e);
-                        break;
-                    }
-                    // After a fan-out every machine has changed: as long as a listing.
-                    tokio::task::coop::consume_budget().await;
-                }
-                result
-            }
-            Since::Listing(listing) => {
-                self.machines.clear();
-                let mut result = Ok(listing.revision);
-                for entry in &listing.entries {
-                    if let Err(e) = self.put(entry) {
-                        result = Err(e);
-                        break;
-                    }
-                    // Decoding a whole fleet takes a runtime thread for hundreds of
-                    // milliseconds; this gives it back to waiting requests every so often.
-                    tokio::task::coop::consume_budget().await;
-                }
-                result
-            }
-        };
-        match caught_up {
+        match self.apply(store.since(MACHINES, self.revision)).await {
             Ok(revision) => {
                 self.revision = Some(revision);
                 Ok((self.machines.values().cloned().collect(), revision))
@@ -71,6 +39,35 @@ impl DecodedMachines {
                 self.revision = None;
                 self.machines.clear();
                 Err(e)
+            }
+        }
+    }
+
+    /// Applies the store's changes, or its listing, and returns the revision they reach.
+    /// Each decode gives the runtime thread back every so often: the whole fleet's takes
+    /// hundreds of milliseconds, after a fan-out as on a listing.
+    async fn apply(&mut self, since: Since) -> Result<u64, ApiError> {
+        match since {
+            Since::Changes { changes, revision } => {
+                // A machine that changed several times needs only its newest value.
+                let newest: HashMap<&str, &Change> = changes.iter().map(|c| (c.entry.key.as_str(), &**c)).collect();
+                for change in newest.into_values() {
+                    if change.deleted {
+                        self.machines.remove(&change.entry.key);
+                    } else {
+                        self.put(&change.entry)?;
+                    }
+                    tokio::task::coop::consume_budget().await;
+                }
+                Ok(revision)
+            }
+            Since::Listing(listing) => {
+                self.machines.clear();
+                for entry in &listing.entries {
+                    self.put(entry)?;
+                    tokio::task::coop::consume_budget().await;
+                }
+                Ok(listing.revision)
             }
         }
     }
@@ -98,7 +95,7 @@ mod tests {
         .unwrap_or_else(|e| panic!("{e}"))
     }
 
-    /// Each machine's key, revision and stored form.
+    /// Each machine's name, revision and stored form.
     fn seen(machines: &[Versioned<Arc<Machine>>]) -> Vec<(String, u64, serde_json::Value)> {
         machines
             .iter()
