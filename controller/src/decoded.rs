@@ -1,11 +1,13 @@
-//! Every machine, decoded, for the rollout pass.
+//! Every machine, decoded, for the leader's rollout pass and reachability check.
 //!
 //! A pass looks at the whole fleet, and a rollout runs one pass after another as machines
 //! report. Decoding 10,000 stored machines took most of each pass (100 to 500 ms on two
-//! cores), while only the few that changed since the previous pass needed it. The pass's
-//! copy is therefore kept: each pass first applies the machines' changes since the previous
-//! one (`Store::since`, from the store's memory like a listing), and decodes afresh only
-//! when the store no longer keeps those changes.
+//! cores), while only the few that changed since the previous pass needed it. The copy is
+//! therefore kept: each use first applies the machines' changes since the previous one
+//! (`Store::since`, from the store's memory like a listing), and decodes afresh only when
+//! the store no longer keeps those changes. The reachability check, every few seconds,
+//! shares it rather than decoding a second copy of the fleet; a replica that stops leading
+//! drops it.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;

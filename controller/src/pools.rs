@@ -351,7 +351,7 @@ impl Registry {
         let _pass = self.rollout_lock.lock().await;
         let started = std::time::Instant::now();
         let (pools, _) = self.list::<MachinePool>(POOLS).await?;
-        let (machines, _) = self.decoded_machines.lock().await.catch_up(self.store.as_ref()).await?;
+        let (machines, _) = self.decoded_fleet().await?;
         let (clusters, _) = self.list::<KubernetesCluster>(crate::clusters::CLUSTERS).await?;
         let listed = started.elapsed();
         let by_name: std::collections::HashMap<&str, &Versioned<Arc<Machine>>> =

@@ -117,7 +117,8 @@ pub struct Registry {
     pub(crate) lease_lock: tokio::sync::Mutex<()>,
     /// The pools' members and which are unavailable, for lease decisions (crate::census).
     pub(crate) census: std::sync::Mutex<crate::census::Census>,
-    /// Every machine, decoded, for the rollout pass (crate::decoded).
+    /// Every machine, decoded, for the leader's rollout pass and reachability check
+    /// (crate::decoded).
     pub(crate) decoded_machines: tokio::sync::Mutex<crate::decoded::DecodedMachines>,
     /// Woken when a pool member's progress changes (generation applied, Ready, Degraded,
     /// reachability), so rollouts move at once rather than at the next periodic pass.
@@ -320,6 +321,18 @@ impl Registry {
             }
         }
         Ok((machines, revision))
+    }
+
+    /// Every machine, decoded, as of the store's newest revision, from the copy the leader's
+    /// loops keep (crate::decoded).
+    pub(crate) async fn decoded_fleet(&self) -> Result<(Vec<Versioned<Arc<Machine>>>, u64), ApiError> {
+        self.decoded_machines.lock().await.catch_up(self.store.as_ref()).await
+    }
+
+    /// Drops the decoded fleet: a replica that stops leading does not need it, and the next
+    /// term starts again from a listing.
+    pub(crate) async fn forget_decoded_fleet(&self) {
+        *self.decoded_machines.lock().await = crate::decoded::DecodedMachines::default();
     }
 
     /// Every machine's latest heartbeat time, by machine name.
@@ -617,10 +630,14 @@ impl Registry {
     pub async fn mark_unreachable(&self, timeout: std::time::Duration) -> Result<usize, ApiError> {
         let now = meta::now();
         let silent_since = now - timeout;
-        let (machines, _) = self.machines_as_seen().await?;
+        // The leader's decoded fleet, as the rollout pass sees it: heartbeats are stored apart
+        // from the machines, which change only when they report.
+        let (machines, _) = self.decoded_fleet().await?;
+        let beats = self.heartbeats().await?;
         let mut changed = 0;
         for m in machines {
-            let Some(last) = m.object.status.last_heartbeat_time else { continue };
+            let beat = beats.get(m.object.metadata.name_str()).copied();
+            let Some(last) = m.object.status.last_heartbeat_time.max(beat) else { continue };
             let reachable = meta::find_condition(&m.object.status.conditions, condition::REACHABLE).map(|c| c.status);
             if last >= silent_since || reachable == Some(ConditionStatus::False) {
                 continue;
@@ -925,6 +942,43 @@ mod tests {
         }
         let machine = registry.machine("m").await?.object;
         assert_eq!(machine.metadata.annotations.len(), WRITERS, "a writer's change was lost");
+        Ok(())
+    }
+
+    /// The reachability check reads the leader's decoded fleet, in which heartbeats do not
+    /// show (they are stored apart): a machine whose only sign of life since the copy was made
+    /// is a heartbeat stays reachable, and a silent one is marked. After the copy is dropped,
+    /// as a replica that stops leading does, the next check sees the whole fleet again.
+    #[tokio::test]
+    async fn the_reachability_check_hears_heartbeats_the_decoded_fleet_does_not_hold() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let store: Arc<dyn Store> = Arc::new(SqliteStore::open(&dir.path().join("keelson.db"))?);
+        let (authority, _) = Authority::load_or_create(dir.path())?;
+        let (_, leading) = tokio::sync::watch::channel(true);
+        let registry = Registry::new(store.clone(), Arc::new(authority), leading);
+        let long_ago = meta::now() - std::time::Duration::from_secs(120);
+        for name in ["beating", "silent"] {
+            let mut m = Machine::new(name.parse()?);
+            m.status.last_heartbeat_time = Some(long_ago);
+            store.put(&format!("{MACHINES}{name}"), encode(&m), Precondition::Absent).await?;
+        }
+        assert_eq!(registry.decoded_fleet().await?.0.len(), 2);
+        store.put(&format!("{HEARTBEATS}beating"), encode(&Heartbeat { time: meta::now() }), Precondition::None).await?;
+
+        assert_eq!(registry.mark_unreachable(std::time::Duration::from_secs(30)).await?, 1);
+        let phase = |m: Versioned<Machine>| m.object.status.phase;
+        assert_eq!(phase(registry.machine("silent").await?), Some(Phase::Unreachable));
+        assert_ne!(phase(registry.machine("beating").await?), Some(Phase::Unreachable));
+
+        registry.forget_decoded_fleet().await;
+        let mut late = Machine::new("late".parse()?);
+        late.status.last_heartbeat_time = Some(long_ago);
+        store.put(&format!("{MACHINES}late"), encode(&late), Precondition::Absent).await?;
+        assert_eq!(registry.mark_unreachable(std::time::Duration::from_secs(30)).await?, 1, "only the new machine is newly silent");
+        assert_ne!(phase(registry.machine("beating").await?), Some(Phase::Unreachable));
+        let (fleet, _) = registry.decoded_fleet().await?;
+        let names: Vec<&str> = fleet.iter().map(|m| m.object.metadata.name_str()).collect();
+        assert_eq!(names, ["beating", "late", "silent"]);
         Ok(())
     }
 }

@@ -197,10 +197,14 @@ pub async fn run(opts: ServeOptions, cancel: CancellationToken) -> anyhow::Resul
     result
 }
 
-/// Shows in the metrics whether this replica leads.
+/// Shows in the metrics whether this replica leads, and lets go of what only a leader keeps.
 async fn follow_leadership(app: Arc<App>, mut leading: Leading, cancel: CancellationToken) -> anyhow::Result<()> {
     loop {
-        app.metrics.set_leader(*leading.borrow_and_update());
+        let leads = *leading.borrow_and_update();
+        app.metrics.set_leader(leads);
+        if !leads {
+            app.registry.forget_decoded_fleet().await;
+        }
         tokio::select! {
             _ = cancel.cancelled() => return Ok(()),
             changed = leading.changed() => if changed.is_err() { return Ok(()) },

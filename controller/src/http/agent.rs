@@ -40,19 +40,23 @@ pub async fn spec(State(app): State<Arc<App>>, peer: PeerExt, Query(q): Query<Sp
     let wait = q.timeout_seconds.map_or(app.config.long_poll_default, Duration::from_secs).min(app.config.long_poll_max);
     let deadline = tokio::time::Instant::now() + wait;
     let mut generations = app.waiters.subscribe(name.as_str());
+    let mut timed_out = false;
     loop {
-        let machine = app.registry.machine(name.as_str()).await?.object;
-        if machine.metadata.generation > q.after {
-            return Ok(Json(agent_spec(name, machine, true)));
+        // Read afresh after every wake, the timeout's too: a fleet's worth of waiting
+        // long-polls holds no decoded machines (about 2 KiB each), and a change that lands
+        // with the timeout is still answered as one.
+        {
+            let machine = app.registry.machine(name.as_str()).await?.object;
+            let changed = machine.metadata.generation > q.after;
+            if changed || timed_out {
+                return Ok(Json(agent_spec(name, machine, changed)));
+            }
         }
-        let timed_out = tokio::select! {
+        timed_out = tokio::select! {
             changed = generations.changed() => changed.is_err(),
             _ = tokio::time::sleep_until(deadline) => true,
             _ = app.shutdown.cancelled() => true,
         };
-        if timed_out {
-            return Ok(Json(agent_spec(name, machine, false)));
-        }
     }
 }
 
