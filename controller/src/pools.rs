@@ -1,9 +1,10 @@
 //! MachinePools: their revisions (history and undo), pause and resume, and the rollout pass
 //! that hands each member the current revision when the scheduler (`rollout`) says so.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
+use futures_util::stream::FuturesUnordered;
 use futures_util::{StreamExt, TryStreamExt};
 use keelson_api::cluster::KubernetesCluster;
 use keelson_api::machine::{Machine, Phase};
@@ -23,17 +24,32 @@ use crate::store::{Op, Precondition, StoreError};
 
 /// How a revision was made by an automatic undo (such revisions are not undone again).
 const AUTO_UNDO: &str = "auto undo";
-/// A rollout pass gives machines their revision in transactions of at most this many
-/// writes (a machine and its events are two), within etcd's default of 128 operations...
-const GIVE_OPS_PER_TXN: usize = 100;
+/// A rollout pass gives machines their revision in transactions of at most this many ops
+/// (a machine, its newest event segment and the check that no newer one began are three),
+/// within etcd's default of 128 compares, writes and reads each (`--max-txn-ops`)...
+const GIVE_OPS_PER_TXN: usize = 126;
 /// ... and of at most this many bytes, well within etcd's default request limit (1.5 MiB)
 /// and the reply that reads the keys back when a transaction is refused.
 const GIVE_BYTES_PER_TXN: usize = 512 * 1024;
 /// Transactions of one pass in flight at once (etcd commits them in one round trip each).
 const GIVE_TXNS_IN_PARALLEL: usize = 4;
+/// Machines whose transactions a pass makes at a time: the next ones' event segments are read
+/// while these are being committed.
+const GIVE_CHUNK: usize = 500;
 /// Machines given their revision one by one at the same time, after a transaction is
 /// refused because one of its machines changed since the pass listed it.
 const GIVE_IN_PARALLEL: usize = 16;
+
+/// One transaction of a rollout pass.
+#[derive(Default)]
+struct GiveTxn {
+    /// The machines it gives their revision, to give one by one when it is refused…
+    names: Vec<String>,
+    /// …and those of them whose event history is to be trimmed once it commits.
+    to_trim: Vec<String>,
+    ops: Vec<Op>,
+    bytes: usize,
+}
 
 fn revision_key(pool: &str, revision: u64) -> String {
     format!("{REVISIONS}{pool}/{revision:020}")
@@ -486,11 +502,43 @@ impl Registry {
     /// listed, so a 10,000-machine fan-out is a few hundred commits, not 20,000. A refused
     /// transaction commits nothing; its machines are then given their revision one by one,
     /// each read afresh.
+    ///
+    /// Machines are taken `GIVE_CHUNK` at a time, so the first transactions leave while the
+    /// next machines' event segments are still being read.
     async fn give_revisions(&self, listed: &[&Versioned<Arc<Machine>>], pool: &MachinePool) -> Result<(), ApiError> {
-        // Each transaction: the machines' names (to retry one by one), its ops, its bytes.
-        let mut batches: Vec<(Vec<String>, Vec<Op>, usize)> = Vec::new();
-        // Machines whose event history is to be trimmed once their events are written.
-        let mut to_trim = Vec::new();
+        let mut chunks = listed.chunks(GIVE_CHUNK);
+        let mut ready: VecDeque<GiveTxn> = VecDeque::new();
+        let mut committing = FuturesUnordered::new();
+        let mut trims = Vec::new();
+        // The next chunk's transactions, made while earlier ones commit.
+        let mut making = None;
+        loop {
+            while committing.len() < GIVE_TXNS_IN_PARALLEL
+                && let Some(txn) = ready.pop_front()
+            {
+                committing.push(self.commit_give(txn, pool));
+            }
+            if making.is_none() && ready.len() <= GIVE_TXNS_IN_PARALLEL {
+                making = chunks.next().map(|chunk| Box::pin(self.give_txns(chunk, pool)));
+            }
+            tokio::select! {
+                made = async { making.as_mut().expect("only while making").await }, if making.is_some() => {
+                    making = None;
+                    ready.extend(made?);
+                }
+                Some(committed) = committing.next() => trims.extend(committed?),
+                else => break,
+            }
+        }
+        // Whole segments, in few transactions: in a uniform fleet every machine may begin a
+        // new segment in the same pass.
+        let deletes = trims.iter().flat_map(|name| self.events_trim(name)).collect();
+        self.delete_in_chunks(deletes).await
+    }
+
+    /// The transactions that give `listed` machines their revision (those that lag), with
+    /// the events of those whose spec changes.
+    async fn give_txns(&self, listed: &[&Versioned<Arc<Machine>>], pool: &MachinePool) -> Result<Vec<GiveTxn>, ApiError> {
         let mut given = Vec::new();
         for v in listed {
             let mut machine = Machine::clone(&v.object);
@@ -499,58 +547,50 @@ impl Registry {
         }
         let changed = given.iter().filter(|(_, _, spec_changed)| *spec_changed);
         let wanted = changed.map(|(machine, _, _)| (machine.metadata.name_str().to_owned(), vec![spec_changed_event(machine, pool)]));
-        let reading = std::time::Instant::now();
         let mut appends = self.events_appends(wanted.collect()).await?.into_iter();
-        tracing::debug!(
-            pool = pool.metadata.name_str(),
-            machines = appends.len(),
-            read_ms = reading.elapsed().as_millis() as u64,
-            "read the newest event segments"
-        );
+        let mut txns: Vec<GiveTxn> = Vec::new();
         for (machine, revision, spec_changed) in given {
             let name = machine.metadata.name_str();
-            let mut ops = Vec::with_capacity(2);
+            let mut ops = Vec::with_capacity(3);
+            let mut trim = false;
             if spec_changed {
                 let append = appends.next().ok_or_else(|| ApiError::Internal("an event append went missing".into()))?;
                 ops.extend(append.ops);
-                if append.trim {
-                    to_trim.push(name.to_owned());
-                }
+                trim = append.trim;
             }
             ops.push(Op::Put { key: format!("{MACHINES}{name}"), value: encode(&machine), precondition: Precondition::Revision(revision) });
             let bytes: usize = ops.iter().map(op_bytes).sum();
-            let full = batches.last().is_none_or(|(_, batch, batch_bytes)| {
-                batch.len() + ops.len() > GIVE_OPS_PER_TXN || batch_bytes + bytes > GIVE_BYTES_PER_TXN
-            });
+            let full = txns.last().is_none_or(|t| t.ops.len() + ops.len() > GIVE_OPS_PER_TXN || t.bytes + bytes > GIVE_BYTES_PER_TXN);
             if full {
-                batches.push(Default::default());
+                txns.push(GiveTxn::default());
             }
-            let (names, batch, batch_bytes) = batches.last_mut().expect("pushed above when empty");
-            names.push(name.to_owned());
-            batch.extend(ops);
-            *batch_bytes += bytes;
+            let txn = txns.last_mut().expect("pushed above when empty");
+            txn.names.push(name.to_owned());
+            if trim {
+                txn.to_trim.push(name.to_owned());
+            }
+            txn.ops.extend(ops);
+            txn.bytes += bytes;
         }
-        futures_util::stream::iter(batches)
-            .map(|(names, ops, _)| async move {
-                match self.store.txn(ops).await {
-                    Ok(_) => Ok(()),
-                    Err(StoreError::Conflict { .. }) => {
-                        futures_util::stream::iter(names)
-                            .map(|n| async move { self.give_revision(&n, pool).await })
-                            .buffer_unordered(GIVE_IN_PARALLEL)
-                            .try_collect::<()>()
-                            .await
-                    }
-                    Err(e) => Err(e.into()),
-                }
-            })
-            .buffer_unordered(GIVE_TXNS_IN_PARALLEL)
-            .try_collect::<()>()
-            .await?;
-        // Whole segments, in few transactions: in a uniform fleet every machine may begin a
-        // new segment in the same pass.
-        let deletes = to_trim.iter().flat_map(|name| self.events_trim(name)).collect();
-        self.delete_in_chunks(deletes).await
+        Ok(txns)
+    }
+
+    /// Commits one of a pass's transactions, or when it is refused gives its machines their
+    /// revision one by one. Returns the machines whose event history is to be trimmed.
+    async fn commit_give(&self, txn: GiveTxn, pool: &MachinePool) -> Result<Vec<String>, ApiError> {
+        match self.store.txn_urgent(txn.ops).await {
+            Ok(_) => Ok(txn.to_trim),
+            // One by one, each machine's events are appended (and trimmed) on their own.
+            Err(StoreError::Conflict { .. }) => {
+                futures_util::stream::iter(txn.names)
+                    .map(|n| async move { self.give_revision(&n, pool).await })
+                    .buffer_unordered(GIVE_IN_PARALLEL)
+                    .try_collect::<()>()
+                    .await?;
+                Ok(Vec::new())
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Gives one machine its pool's current template, as it is stored now.
@@ -688,11 +728,11 @@ mod tests {
         assert_eq!(names(pick_for_deletion(&live, 0, 1, DeletionOrder::Random, 5)), once);
     }
 
-    /// A pass over more machines than a transaction holds gives each its revision, and then
-    /// exactly one event saying so.
+    /// A pass over more machines than a transaction holds, and than it makes transactions
+    /// for at a time, gives each its revision, and then exactly one event saying so.
     #[tokio::test]
     async fn a_pass_gives_every_machine_its_revision_then_one_event() -> anyhow::Result<()> {
-        const MACHINES_GIVEN: usize = 250;
+        const MACHINES_GIVEN: usize = GIVE_CHUNK + 250;
         let dir = tempfile::tempdir()?;
         let store: Arc<dyn Store> = Arc::new(SqliteStore::open(&dir.path().join("keelson.db"))?);
         let (authority, _) = Authority::load_or_create(dir.path())?;
@@ -703,7 +743,7 @@ mod tests {
             "spec": {"selector": {"matchLabels": {"pool": "web"}}, "template": {"spec": {"roles": ["worker"]}},
                      "rollout": {"maxUnavailable": MACHINES_GIVEN}}});
         store.put("/pools/web", serde_json::to_vec(&pool)?, Precondition::Absent).await?;
-        let names: Vec<String> = (0..MACHINES_GIVEN).map(|i| format!("m{i:03}")).collect();
+        let names: Vec<String> = (0..MACHINES_GIVEN).map(|i| format!("m{i:04}")).collect();
         for name in &names {
             let machine = serde_json::json!({"apiVersion": "keelson.io/v1alpha1", "kind": "Machine",
                 "metadata": {"name": name, "labels": {"pool": "web"}},

@@ -142,9 +142,9 @@ async fn concurrent_writers_to_one_key_serialise(store: Arc<dyn Store>) -> R {
 }
 
 async fn concurrent_transactions_on_other_keys_commit_or_fail_each_on_its_own(store: Arc<dyn Store>) -> R {
-    // 60 transactions at once, half of them yielding (the etcd store gathers waiting ones
-    // into one etcd transaction, on each of its two queues): every third one's precondition
-    // fails, which must refuse it alone.
+    // 60 transactions at once, a quarter of them yielding and a quarter urgent (the etcd
+    // store gathers waiting ones into one etcd transaction, on each of its three queues):
+    // every third one's precondition fails, which must refuse it alone.
     let taken = store.put("/each/taken", b"x".to_vec(), Precondition::None).await?;
     let mut tasks = Vec::new();
     for i in 0..60 {
@@ -155,7 +155,11 @@ async fn concurrent_transactions_on_other_keys_commit_or_fail_each_on_its_own(st
             if i % 3 == 0 {
                 ops.push(Op::Check { key: "/each/taken".into(), precondition: Precondition::Revision(taken + 1000) });
             }
-            if i % 2 == 0 { store.txn(ops).await } else { store.txn_yielding(ops).await }
+            match i % 4 {
+                1 => store.txn_yielding(ops).await,
+                2 => store.txn_urgent(ops).await,
+                _ => store.txn(ops).await,
+            }
         }));
     }
     for (i, task) in tasks.into_iter().enumerate() {

@@ -7,8 +7,9 @@
 //!
 //! Writes are etcd transactions: a store precondition becomes a compare on the key's create or
 //! modification revision, so compare-and-swap across replicas is etcd's, not ours. Writes that
-//! queue while others are in flight leave together as one transaction (`batch_writes`);
-//! yielding ones (agents' reports) wait a little to leave together (`gather`). Reads
+//! queue while others are in flight leave together as one transaction (`batch_writes`):
+//! urgent ones (the rollout pass's) first, yielding ones (agents' reports) last, after waiting
+//! a little to leave together (`gather`). Reads
 //! and watches are served from the same in-memory `Mirror` the SQLite store uses, fed by one
 //! etcd watch on the prefix. A replica's mirror can trail etcd by the watch's delay, so every
 //! write (and every refused one) waits until the mirror holds its revision before it answers:
@@ -105,7 +106,10 @@ impl EtcdOptions {
 
 pub struct EtcdStore {
     writer: Writer,
-    /// Transactions waiting for the batcher (`batch_writes`)…
+    /// Transactions waiting for the batcher (`batch_writes`) that leave first
+    /// (`Store::txn_urgent`)…
+    urgent: mpsc::UnboundedSender<Vec<Pending>>,
+    /// …then the others…
     queue: mpsc::UnboundedSender<Vec<Pending>>,
     /// …and those that leave after them (`Store::txn_yielding`).
     yielding: mpsc::UnboundedSender<Pending>,
@@ -199,12 +203,13 @@ impl EtcdStore {
         }
         let reads = Reads { client: client.clone(), prefix: prefix.clone() };
         let writer = Writer { client, prefix, mirror, progress };
+        let (urgent, urgent_queued) = mpsc::unbounded_channel();
         let (queue, queued) = mpsc::unbounded_channel();
         let (yielding, gathering) = mpsc::unbounded_channel();
         let (gathered, yielded) = mpsc::unbounded_channel();
         tokio::spawn(gather(gathering, gathered, stop.clone()));
-        tokio::spawn(batch_writes(writer.clone(), [queued, yielded], stop.clone()));
-        Ok(EtcdStore { writer, queue, yielding, reads, stop })
+        tokio::spawn(batch_writes(writer.clone(), [urgent_queued, queued, yielded], stop.clone()));
+        Ok(EtcdStore { writer, urgent, queue, yielding, reads, stop })
     }
 
     /// The client, for the leader election of the replicas sharing this store.
@@ -356,28 +361,31 @@ const BATCH_MAX_BYTES: usize = 512 << 10;
 /// never stop (an operator's script, say) must not starve agents' reports.
 const YIELD_AT_MOST: Duration = Duration::from_millis(500);
 
-/// Which waiting transactions leave next: the first queue's, unless the second's oldest has
-/// yielded for `YIELD_AT_MOST`.
-fn next_to_leave(waiting: &mut [VecDeque<Pending>; 2], now: Instant) -> Option<&mut VecDeque<Pending>> {
-    let [first, yielding] = waiting;
-    let overdue = yielding.front().is_some_and(|p| now.duration_since(p.asked) >= YIELD_AT_MOST);
-    if overdue || first.is_empty() { Some(yielding).filter(|w| !w.is_empty()) } else { Some(first) }
+/// Which waiting transactions leave next: the first non-empty queue's (urgent, others,
+/// yielding), unless the yielding queue's oldest has waited for `YIELD_AT_MOST`. Urgent
+/// writes never wait for overdue others: they are a rollout pass's, a bounded burst that
+/// machines wait for, while agents' lease requests can queue for longer than that bound.
+fn next_to_leave(waiting: &mut [VecDeque<Pending>; 3], now: Instant) -> Option<&mut VecDeque<Pending>> {
+    let overdue = waiting[2].front().is_some_and(|p| now.duration_since(p.asked) >= YIELD_AT_MOST);
+    let next = if overdue { 2 } else { waiting.iter().position(|w| !w.is_empty())? };
+    Some(&mut waiting[next])
 }
 
 /// Sends queued transactions, gathering those that waited together into one etcd
-/// transaction when their keys are distinct. `queues`: the first's transactions leave before
-/// the second's, unless those have waited for `YIELD_AT_MOST`.
-async fn batch_writes(writer: Writer, mut queues: [mpsc::UnboundedReceiver<Vec<Pending>>; 2], stop: CancellationToken) {
+/// transaction when their keys are distinct. `queues`: urgent, others, yielding, in the
+/// order they leave (`next_to_leave`).
+async fn batch_writes(writer: Writer, mut queues: [mpsc::UnboundedReceiver<Vec<Pending>>; 3], stop: CancellationToken) {
     let permits = Arc::new(Semaphore::new(WRITES_IN_FLIGHT));
-    let mut waiting: [VecDeque<Pending>; 2] = Default::default();
+    let mut waiting: [VecDeque<Pending>; 3] = Default::default();
     loop {
         if waiting.iter().all(VecDeque::is_empty) {
-            let [first, second] = &mut queues;
+            let [urgent, others, yielding] = &mut queues;
             tokio::select! {
                 biased;
                 _ = stop.cancelled() => return,
-                Some(group) = first.recv() => waiting[0].extend(group),
-                Some(group) = second.recv() => waiting[1].extend(group),
+                Some(group) = urgent.recv() => waiting[0].extend(group),
+                Some(group) = others.recv() => waiting[1].extend(group),
+                Some(group) = yielding.recv() => waiting[2].extend(group),
                 else => return,
             }
         }
@@ -721,6 +729,12 @@ impl Store for EtcdStore {
         answer.await.map_err(|_| StoreError::Closed)?
     }
 
+    async fn txn_urgent(&self, ops: Vec<Op>) -> Result<u64, StoreError> {
+        let (pending, answer) = Pending::new(ops)?;
+        self.urgent.send(vec![pending]).map_err(|_| StoreError::Closed)?;
+        answer.await.map_err(|_| StoreError::Closed)?
+    }
+
     async fn txn_yielding(&self, ops: Vec<Op>) -> Result<u64, StoreError> {
         let (pending, answer) = Pending::new(ops)?;
         self.yielding.send(pending).map_err(|_| StoreError::Closed)?;
@@ -921,19 +935,29 @@ mod tests {
         VecDeque::from([pending])
     }
 
-    fn leaves(waiting: &mut [VecDeque<Pending>; 2], now: Instant) -> Option<String> {
+    fn leaves(waiting: &mut [VecDeque<Pending>; 3], now: Instant) -> Option<String> {
         next_to_leave(waiting, now).and_then(|w| w.front()).map(|p| p.ops[0].key().to_owned())
     }
 
     #[test]
     fn a_yielding_write_leaves_after_the_others_unless_it_waited_too_long() {
         let now = Instant::now() + 2 * YIELD_AT_MOST;
-        let mut both = [waiting("/first", now), waiting("/report", now - YIELD_AT_MOST / 2)];
+        let mut both = [VecDeque::new(), waiting("/first", now), waiting("/report", now - YIELD_AT_MOST / 2)];
         assert_eq!(leaves(&mut both, now).as_deref(), Some("/first"));
-        let mut overdue = [waiting("/first", now), waiting("/report", now - YIELD_AT_MOST)];
+        let mut overdue = [waiting("/pass", now), waiting("/first", now), waiting("/report", now - YIELD_AT_MOST)];
         assert_eq!(leaves(&mut overdue, now).as_deref(), Some("/report"));
-        let mut alone = [VecDeque::new(), waiting("/report", now)];
+        let mut alone = [VecDeque::new(), VecDeque::new(), waiting("/report", now)];
         assert_eq!(leaves(&mut alone, now).as_deref(), Some("/report"));
-        assert!(leaves(&mut [VecDeque::new(), VecDeque::new()], now).is_none());
+        assert!(leaves(&mut Default::default(), now).is_none());
+    }
+
+    #[test]
+    fn an_urgent_write_leaves_before_the_others_however_long_they_waited() {
+        let now = Instant::now() + 2 * YIELD_AT_MOST;
+        let long_ago = now - 2 * YIELD_AT_MOST;
+        let mut all = [waiting("/pass", now), waiting("/lease", long_ago), waiting("/report", now)];
+        assert_eq!(leaves(&mut all, now).as_deref(), Some("/pass"));
+        let mut no_urgent = [VecDeque::new(), waiting("/lease", long_ago), waiting("/report", now)];
+        assert_eq!(leaves(&mut no_urgent, now).as_deref(), Some("/lease"));
     }
 }

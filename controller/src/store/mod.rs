@@ -208,6 +208,11 @@ pub trait Store: Send + Sync + std::fmt::Debug + 'static {
     /// Applies every op atomically at one new revision, or none of them when any
     /// precondition fails. Returns the revision.
     async fn txn(&self, ops: Vec<Op>) -> Result<u64, StoreError>;
+    /// `txn` for a write that machines are waiting for (the rollout pass's, which gives them
+    /// a new spec): it leaves before other writes that are waiting.
+    async fn txn_urgent(&self, ops: Vec<Op>) -> Result<u64, StoreError> {
+        self.txn(ops).await
+    }
     /// `txn` for a write that can wait a few milliseconds: it may be held to leave with
     /// others of its kind, and leaves after other writes that are waiting (an agent's status
     /// report, behind the writes that give machines a new spec).
