@@ -362,9 +362,9 @@ const BATCH_MAX_BYTES: usize = 512 << 10;
 const YIELD_AT_MOST: Duration = Duration::from_millis(500);
 
 /// Which waiting transactions leave next: the first non-empty queue's (urgent, others,
-/// yielding), unless the yielding queue's oldest has waited for `YIELD_AT_MOST`. Urgent
-/// writes never wait for overdue others: they are a rollout pass's, a bounded burst that
-/// machines wait for, while agents' lease requests can queue for longer than that bound.
+/// yielding), unless the yielding queue's oldest has waited for `YIELD_AT_MOST`. The middle
+/// queue has no such bound: urgent writes are a rollout pass's, a bounded burst that
+/// machines wait for, while agents' lease requests may queue for longer than 500 ms.
 fn next_to_leave(waiting: &mut [VecDeque<Pending>; 3], now: Instant) -> Option<&mut VecDeque<Pending>> {
     let overdue = waiting[2].front().is_some_and(|p| now.duration_since(p.asked) >= YIELD_AT_MOST);
     let next = if overdue { 2 } else { waiting.iter().position(|w| !w.is_empty())? };

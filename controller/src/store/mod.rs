@@ -209,7 +209,8 @@ pub trait Store: Send + Sync + std::fmt::Debug + 'static {
     /// precondition fails. Returns the revision.
     async fn txn(&self, ops: Vec<Op>) -> Result<u64, StoreError>;
     /// `txn` for a write that machines are waiting for (the rollout pass's, which gives them
-    /// a new spec): it leaves before other writes that are waiting.
+    /// a new spec): it leaves before other writes that are waiting, except a yielding one
+    /// that has waited too long.
     async fn txn_urgent(&self, ops: Vec<Op>) -> Result<u64, StoreError> {
         self.txn(ops).await
     }
