@@ -247,6 +247,18 @@ async fn values_not_in_memory_are_read_from_the_store(store: &dyn Store) -> R {
     let mut expected: Vec<Option<String>> = (0..250).map(|i| Some(i.to_string())).collect();
     expected.extend([Some("held".into()), None, Some("uno".into())]);
     assert_eq!(values, expected);
+    // Many small reads at once (etcd: gathered into shared transactions), each answered
+    // with its own keys' entries, in its order.
+    let readers = (0..300).map(|i| async move {
+        let keys = [format!("/events/many/{:03}", i % 250), format!("/events/none-{i}"), format!("/events/many/{:03}", (i * 7) % 250)];
+        let found = store.get_many(&keys[..1 + i % 3]).await?;
+        let values: Vec<Option<String>> =
+            found.iter().map(|e| e.as_ref().map(|e| String::from_utf8_lossy(&e.value).into_owned())).collect();
+        let expected = [Some((i % 250).to_string()), None, Some(((i * 7) % 250).to_string())];
+        anyhow::ensure!(values == expected[..1 + i % 3], "reader {i}: {values:?}");
+        Ok(())
+    });
+    futures_util::future::try_join_all(readers).await?;
     // A listing of everything holds both kinds, in key order.
     let all = store.list("/").await?.entries;
     assert!(all.windows(2).all(|w| w[0].key < w[1].key));

@@ -11,7 +11,8 @@
 //! urgent ones (the rollout pass's) first, yielding ones (agents' reports) last, after waiting
 //! a little to leave together (`gather`). Reads
 //! and watches are served from the same in-memory `Mirror` the SQLite store uses, fed by one
-//! etcd watch on the prefix. A replica's mirror can trail etcd by the watch's delay, so every
+//! etcd watch on the prefix; the values it does not hold (event histories) are read from etcd,
+//! and such reads that queue together leave as one transaction (`batch_reads`). A replica's mirror can trail etcd by the watch's delay, so every
 //! write (and every refused one) waits until the mirror holds its revision before it answers:
 //! a caller that writes and then reads sees its write, and one that lost a compare-and-swap
 //! re-reads at least what beat it.
@@ -29,8 +30,6 @@ use etcd_client::{
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-
-use futures_util::{StreamExt, TryStreamExt};
 
 use super::mirror::{Backend, Mirror};
 use super::{Change, Entry, Listing, Op, Precondition, Since, Store, StoreError, VALUES_NOT_IN_MEMORY, Watch, prefix_end};
@@ -61,7 +60,8 @@ pub const DEFAULT_COMPACT_EVERY: Duration = Duration::from_secs(300);
 const MAX_ANSWER_BYTES: usize = 256 << 20;
 /// Keys per page of a listing (10,000 machines' records are about 12 MiB).
 const LIST_PAGE_KEYS: i64 = 1_000;
-/// Keys read in one transaction, within etcd's default limit of 128 operations…
+/// Keys read in one transaction, within etcd's default limit of 128 operations (reads of
+/// several callers leave together: `batch_reads`)…
 const READS_PER_TXN: usize = 100;
 /// …and such transactions in flight at once.
 const READ_TXNS_IN_PARALLEL: usize = 4;
@@ -201,7 +201,9 @@ impl EtcdStore {
         if let Some(every) = options.compact_every {
             tokio::spawn(compact_history(client.clone(), format!("{prefix}/"), every, stop.clone()));
         }
-        let reads = Reads { client: client.clone(), prefix: prefix.clone() };
+        let (read_queue, reads_queued) = mpsc::unbounded_channel();
+        tokio::spawn(batch_reads(client.clone(), prefix.clone(), reads_queued, stop.clone()));
+        let reads = Reads { client: client.clone(), prefix: prefix.clone(), queue: read_queue };
         let writer = Writer { client, prefix, mirror, progress };
         let (urgent, urgent_queued) = mpsc::unbounded_channel();
         let (queue, queued) = mpsc::unbounded_channel();
@@ -641,6 +643,8 @@ async fn list_range(
 struct Reads {
     client: Client,
     prefix: String,
+    /// Reads of keys waiting for `batch_reads`.
+    queue: mpsc::UnboundedSender<PendingRead>,
 }
 
 impl std::fmt::Debug for Reads {
@@ -649,34 +653,98 @@ impl std::fmt::Debug for Reads {
     }
 }
 
+/// Up to `READS_PER_TXN` keys to read from etcd, and where their entries go, in order.
+struct PendingRead {
+    keys: Vec<String>,
+    answer: oneshot::Sender<Result<Vec<Option<Entry>>, StoreError>>,
+}
+
+/// Sends queued reads, gathering those that waited together into one etcd transaction of up
+/// to `READS_PER_TXN` gets, with `READ_TXNS_IN_PARALLEL` in flight. When a wave of machines
+/// asks for leases at once, each grant and release reads the machine's newest event segment:
+/// thousands of single reads, which would otherwise each be a request to etcd.
+async fn batch_reads(client: Client, prefix: String, mut queue: mpsc::UnboundedReceiver<PendingRead>, stop: CancellationToken) {
+    let permits = Arc::new(Semaphore::new(READ_TXNS_IN_PARALLEL));
+    let mut held_over = None;
+    loop {
+        let first = match held_over.take() {
+            Some(first) => first,
+            None => tokio::select! {
+                _ = stop.cancelled() => return,
+                next = queue.recv() => match next {
+                    Some(read) => read,
+                    None => return,
+                },
+            },
+        };
+        // Reads that arrive while every permit is taken wait here, and leave together.
+        let permit = tokio::select! {
+            _ = stop.cancelled() => return,
+            permit = permits.clone().acquire_owned() => match permit {
+                Ok(permit) => permit,
+                Err(_) => return,
+            },
+        };
+        let mut keys = first.keys.len();
+        let mut batch = vec![first];
+        while let Ok(next) = queue.try_recv() {
+            if keys + next.keys.len() > READS_PER_TXN {
+                held_over = Some(next);
+                break;
+            }
+            keys += next.keys.len();
+            batch.push(next);
+        }
+        let (client, prefix) = (client.clone(), prefix.clone());
+        tokio::spawn(async move {
+            let keys: Vec<&String> = batch.iter().flat_map(|r| &r.keys).collect();
+            let mut read = read_txn(&client, &prefix, &keys).await;
+            drop(permit);
+            for pending in batch {
+                let answer = match &mut read {
+                    Ok(entries) => Ok(entries.drain(..pending.keys.len()).collect()),
+                    Err(e) => Err(e.clone()),
+                };
+                // A caller that stopped waiting has nothing to be told.
+                let _ = pending.answer.send(answer);
+            }
+        });
+    }
+}
+
+/// Reads `keys` in one etcd transaction: one round trip, at one revision.
+async fn read_txn(client: &Client, prefix: &str, keys: &[&String]) -> Result<Vec<Option<Entry>>, StoreError> {
+    let gets: Vec<TxnOp> = keys.iter().map(|k| TxnOp::get(format!("{prefix}{k}"), None)).collect();
+    let (response, _) = again("read", || {
+        let gets = gets.clone();
+        async move { kv(client).txn(Txn::new().and_then(gets)).await }
+    })
+    .await
+    .map_err(refused)?;
+    response
+        .op_responses()
+        .into_iter()
+        .map(|r| match r {
+            TxnOpResponse::Get(got) => got.kvs().first().map(|kv| entry(prefix, kv)).transpose(),
+            _ => Err(backend("a read in etcd answered as a write")),
+        })
+        .collect()
+}
+
 #[async_trait]
 impl Backend for Reads {
     async fn read_keys(&self, keys: Vec<String>) -> Result<Vec<Option<Entry>>, StoreError> {
-        // A transaction of reads is one round trip, and one revision, for up to 100 keys.
-        let chunks: Vec<Vec<String>> = keys.chunks(READS_PER_TXN).map(<[String]>::to_vec).collect();
-        let read = futures_util::stream::iter(chunks)
-            .map(|chunk| async move {
-                let gets = chunk.iter().map(|k| TxnOp::get(format!("{}{k}", self.prefix), None)).collect::<Vec<_>>();
-                let client = &self.client;
-                let (response, _) = again("read", || {
-                    let gets = gets.clone();
-                    async move { kv(client).txn(Txn::new().and_then(gets)).await }
-                })
-                .await
-                .map_err(refused)?;
-                response
-                    .op_responses()
-                    .into_iter()
-                    .map(|r| match r {
-                        TxnOpResponse::Get(got) => got.kvs().first().map(|kv| entry(&self.prefix, kv)).transpose(),
-                        _ => Err(backend("a read in etcd answered as a write")),
-                    })
-                    .collect::<Result<Vec<_>, StoreError>>()
-            })
-            .buffered(READ_TXNS_IN_PARALLEL)
-            .try_collect::<Vec<_>>()
-            .await?;
-        Ok(read.into_iter().flatten().collect())
+        let mut answers = Vec::new();
+        for chunk in keys.chunks(READS_PER_TXN) {
+            let (answer, answered) = oneshot::channel();
+            self.queue.send(PendingRead { keys: chunk.to_vec(), answer }).map_err(|_| StoreError::Closed)?;
+            answers.push(answered);
+        }
+        let mut found = Vec::with_capacity(keys.len());
+        for answered in answers {
+            found.extend(answered.await.map_err(|_| StoreError::Closed)??);
+        }
+        Ok(found)
     }
 
     async fn read_prefix(&self, prefix: &str) -> Result<Listing, StoreError> {
