@@ -81,6 +81,46 @@ impl Filling {
     }
 }
 
+/// A history's newest part, read for an append (Registry::events_tails). An append decided
+/// from it is refused if the history has changed since.
+pub(crate) struct Tail {
+    name: String,
+    /// The history's segments' keys and revisions.
+    held: Vec<Entry>,
+    /// Its newest segment, or an earlier build's list when it has no segments.
+    read: Option<Entry>,
+}
+
+impl Tail {
+    /// The writes that append `events`.
+    pub(crate) fn append(self, mut events: Vec<Event>) -> Result<Append, ApiError> {
+        let prefix = history_prefix(&self.name);
+        let next = self.held.last().and_then(|s| segment_number(&s.key)).map_or(0, |n| n + 1);
+        let mut ops = Vec::new();
+        let newest = match (self.held.last(), self.read) {
+            (Some(_), newest) => newest,
+            (None, Some(list)) => {
+                ops.push(Op::Delete { key: list.key.clone(), precondition: Precondition::Revision(list.mod_revision) });
+                let mut moved: Vec<Event> = decode(&list.key, &list.value)?;
+                let mut bytes = 0;
+                let keep = moved.iter().rev().take(EVENTS_KEPT).take_while(|e| {
+                    bytes += encode(e).len();
+                    bytes <= LIST_MOVED_BYTES
+                });
+                let from = moved.len() - keep.count();
+                moved.drain(..from);
+                moved.append(&mut events);
+                events = moved;
+                None
+            }
+            (None, None) => None,
+        };
+        let (writes, begun) = fill(&prefix, newest.as_ref(), next, events)?;
+        ops.extend(writes);
+        Ok(Append { ops, trim: self.held.len() + begun > SEGMENTS_KEPT })
+    }
+}
+
 /// The writes that put `events` after `newest` (the newest segment, `None` when there is
 /// none), filling it first, then segments numbered from `next`.
 fn fill(prefix: &str, newest: Option<&Entry>, mut next: u64, events: Vec<Event>) -> Result<(Vec<Op>, usize), ApiError> {
@@ -125,10 +165,9 @@ impl Registry {
 
     pub async fn append_events(&self, name: &str, events: Vec<Event>) -> Result<(), ApiError> {
         for attempt in 0..CAS_ATTEMPTS {
-            let append = self.events_appends(vec![(name.to_owned(), events.clone())]).await?.remove(0);
-            match self.store.txn(append.ops).await {
-                Ok(_) if append.trim => return self.delete_in_chunks(self.events_trim(name)).await,
-                Ok(_) => return Ok(()),
+            let Append { ops, trim } = self.events_tail(name).await?.append(events.clone())?;
+            match self.store.txn(ops).await {
+                Ok(_) => return self.trim_after_append(name, trim).await,
                 // Writers that met on the newest segment try again at different times, or
                 // the same one would lose to the others every round.
                 Err(StoreError::Conflict { .. }) => after_conflict(attempt).await,
@@ -143,40 +182,32 @@ impl Registry {
     /// append's ops (alone or within a larger transaction), then trims the histories it is
     /// asked to.
     pub(crate) async fn events_appends(&self, wanted: Vec<(String, Vec<Event>)>) -> Result<Vec<Append>, ApiError> {
-        // Each history's segments, from memory; then its newest segment, or an earlier
-        // build's list when it has none, read from the store.
-        let segments: Vec<Vec<Entry>> = wanted.iter().map(|(name, _)| self.store.list_keys(&history_prefix(name)).entries).collect();
+        let names: Vec<&str> = wanted.iter().map(|(name, _)| name.as_str()).collect();
+        let tails = self.events_tails(&names).await?;
+        tails.into_iter().zip(wanted).map(|(tail, (_, events))| tail.append(events)).collect()
+    }
+
+    /// The newest part of each history as stored now, for appends whose events are decided
+    /// later: each history's segments from memory, then its newest segment (or an earlier
+    /// build's list when it has none), all read from the store in one request.
+    pub(crate) async fn events_tails(&self, names: &[&str]) -> Result<Vec<Tail>, ApiError> {
+        let segments: Vec<Vec<Entry>> = names.iter().map(|name| self.store.list_keys(&history_prefix(name)).entries).collect();
         let reads: Vec<String> =
-            wanted.iter().zip(&segments).map(|((name, _), held)| held.last().map_or_else(|| list_key(name), |s| s.key.clone())).collect();
+            names.iter().zip(&segments).map(|(name, held)| held.last().map_or_else(|| list_key(name), |s| s.key.clone())).collect();
         let read = self.store.get_many(&reads).await?;
-        let mut appends = Vec::with_capacity(wanted.len());
-        for (((name, mut events), held), read) in wanted.into_iter().zip(segments).zip(read) {
-            let prefix = history_prefix(&name);
-            let next = held.last().and_then(|s| segment_number(&s.key)).map_or(0, |n| n + 1);
-            let mut ops = Vec::new();
-            let newest = match (held.last(), read) {
-                (Some(_), newest) => newest,
-                (None, Some(list)) => {
-                    ops.push(Op::Delete { key: list.key.clone(), precondition: Precondition::Revision(list.mod_revision) });
-                    let mut moved: Vec<Event> = decode(&list.key, &list.value)?;
-                    let mut bytes = 0;
-                    let keep = moved.iter().rev().take(EVENTS_KEPT).take_while(|e| {
-                        bytes += encode(e).len();
-                        bytes <= LIST_MOVED_BYTES
-                    });
-                    let from = moved.len() - keep.count();
-                    moved.drain(..from);
-                    moved.append(&mut events);
-                    events = moved;
-                    None
-                }
-                (None, None) => None,
-            };
-            let (writes, begun) = fill(&prefix, newest.as_ref(), next, events)?;
-            ops.extend(writes);
-            appends.push(Append { ops, trim: held.len() + begun > SEGMENTS_KEPT });
-        }
-        Ok(appends)
+        Ok(names.iter().zip(segments).zip(read).map(|((name, held), read)| Tail { name: (*name).to_owned(), held, read }).collect())
+    }
+
+    /// One history's newest part (Registry::events_tails).
+    pub(crate) async fn events_tail(&self, name: &str) -> Result<Tail, ApiError> {
+        let tail = self.events_tails(&[name]).await?.pop();
+        tail.ok_or_else(|| ApiError::Internal(format!("the store answered no read for the events of {name}")))
+    }
+
+    /// Once an append has committed: trims the history if the append asked for it
+    /// (`Append::trim`).
+    pub(crate) async fn trim_after_append(&self, name: &str, trim: bool) -> Result<(), ApiError> {
+        if trim { self.delete_in_chunks(self.events_trim(name)).await } else { Ok(()) }
     }
 
     /// The deletes that trim a machine's history to its newest `SEGMENTS_KEPT` segments, as

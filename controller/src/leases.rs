@@ -29,7 +29,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::drain::{Drain, DrainPhase, drain_key};
 use crate::error::ApiError;
-use crate::registry::{CAS_ATTEMPTS, POOLS, Registry, Versioned, after_conflict, decode, encode, owning_pool};
+use crate::events::Append;
+use crate::registry::{CAS_ATTEMPTS, POOLS, Registry, Versioned, after_conflict, decode, encode, event, owning_pool};
 use crate::store::{Op, Precondition, StoreError};
 
 pub const LEASES: &str = "/leases/";
@@ -264,6 +265,9 @@ impl Registry {
         check_ttl(ttl_secs)?;
         let scope = self.lease_scope(name).await?;
         self.split_legacy_leases(&scope).await?;
+        // The grant writes its event in its own transaction; the machine's history is read
+        // before waiting for the other grants, and again only if it has changed meanwhile.
+        let mut history = Some(self.events_tail(name.as_str()).await?);
         // Grants in one scope conflict on its budget key: taking them one at a time in this
         // process spares them a storm of compare-and-swap retries when a wave starts. The
         // compare-and-swap still guards against other replicas.
@@ -283,7 +287,7 @@ impl Registry {
             let expires_at = now + time::Duration::seconds(ttl_secs as i64);
             let (held, expired): (Vec<&Versioned<Lease>>, Vec<&Versioned<Lease>>) = leases.iter().partition(|l| l.object.expires_at > now);
 
-            let (lease, ops) = if let Some(mine) = held.iter().find(|l| &l.object.machine == name) {
+            let (lease, mut ops) = if let Some(mine) = held.iter().find(|l| &l.object.machine == name) {
                 // Its node is being drained (or brought back) for it: not yet.
                 if let Some(d) = drain.as_ref().filter(|d| d.object.lease == mine.object.id && d.object.phase != DrainPhase::Drained) {
                     return Ok(Decision::Wait { message: d.object.waiting() });
@@ -360,29 +364,28 @@ impl Registry {
                 }
                 (lease, ops)
             };
-            match (self.store.txn(ops).await, draining) {
-                (Ok(_), Some(record)) => {
+            let (event_reason, message) = match &draining {
+                Some(d) => {
+                    ("DrainStarted", format!("lease {} for {reason}; draining node {} of cluster {} first", lease.id, d.node, d.cluster))
+                }
+                None => ("DisruptionGranted", format!("lease {} for {reason}", lease.id)),
+            };
+            let tail = match history.take() {
+                Some(tail) => tail,
+                None => self.events_tail(name.as_str()).await?,
+            };
+            let Append { ops: event_ops, trim } = tail.append(vec![event("Normal", event_reason, message, "controller")])?;
+            ops.extend(event_ops);
+            match self.store.txn(ops).await {
+                Ok(_) => {
                     drop(one_at_a_time);
-                    let message =
-                        format!("lease {} for {reason}; draining node {} of cluster {} first", lease.id, record.node, record.cluster);
-                    self.record_event(name.as_str(), "Normal", "DrainStarted", &message, "controller").await?;
+                    self.trim_after_append(name.as_str(), trim).await?;
+                    let Some(record) = draining else { return Ok(Decision::Granted(lease)) };
                     self.drain_wake.notify_one();
                     return Ok(Decision::Wait { message: record.waiting() });
                 }
-                (Ok(_), None) => {
-                    drop(one_at_a_time);
-                    self.record_event(
-                        name.as_str(),
-                        "Normal",
-                        "DisruptionGranted",
-                        &format!("lease {} for {reason}", lease.id),
-                        "controller",
-                    )
-                    .await?;
-                    return Ok(Decision::Granted(lease));
-                }
-                (Err(StoreError::Conflict { .. }), _) => after_conflict(attempt).await,
-                (Err(e), _) => return Err(e.into()),
+                Err(StoreError::Conflict { .. }) => after_conflict(attempt).await,
+                Err(e) => return Err(e.into()),
             }
         }
         Err(ApiError::Conflict("leases are changing too often; try again".into()))
@@ -518,44 +521,40 @@ impl Registry {
                     .filter(|d| d.object.lease == id && matches!(d.object.phase, DrainPhase::Draining | DrainPhase::Drained)),
                 Some(_) => None,
             };
-            if let Some(d) = drain {
-                let record = Drain { phase: DrainPhase::Uncordoning, message: String::new(), ..d.object };
-                let ops = vec![
-                    Op::Put { key: drain_key(name), value: encode(&record), precondition: Precondition::Revision(d.revision) },
-                    Op::Check { key: key.clone(), precondition },
-                ];
-                match self.store.txn(ops).await {
-                    Ok(_) => {
-                        let message = format!("lease {id}; bringing node {} back before the lease is free", record.node);
-                        self.record_event(name.as_str(), "Normal", "DisruptionReleased", &message, "controller").await?;
-                        self.drain_wake.notify_one();
-                        return Ok(None);
-                    }
-                    Err(StoreError::Conflict { .. }) => {
-                        after_conflict(attempt).await;
-                        continue;
-                    }
-                    Err(e) => return Err(e.into()),
+            let uncordon = drain.is_some();
+            let (mut ops, renewed, released) = match (drain, ttl_secs) {
+                (Some(d), _) => {
+                    let record = Drain { phase: DrainPhase::Uncordoning, message: String::new(), ..d.object };
+                    let message = format!("lease {id}; bringing node {} back before the lease is free", record.node);
+                    let ops = vec![
+                        Op::Put { key: drain_key(name), value: encode(&record), precondition: Precondition::Revision(d.revision) },
+                        Op::Check { key: key.clone(), precondition },
+                    ];
+                    (ops, None, Some(message))
                 }
-            }
-            let (op, result) = match ttl_secs {
-                Some(t) => {
+                (None, Some(t)) => {
                     let lease = Lease { expires_at: now + time::Duration::seconds(t as i64), ..current.object };
-                    (Op::Put { key: key.clone(), value: encode(&lease), precondition }, Some(lease))
+                    (vec![Op::Put { key: key.clone(), value: encode(&lease), precondition }], Some(lease), None)
                 }
-                None => (Op::Delete { key: key.clone(), precondition }, None),
+                (None, None) => (vec![Op::Delete { key: key.clone(), precondition }], None, Some(format!("lease {id}"))),
             };
-            match self.store.txn(vec![op]).await {
+            // A release writes its event in its own transaction.
+            let mut trim = false;
+            if let Some(message) = released {
+                let append =
+                    self.events_tail(name.as_str()).await?.append(vec![event("Normal", "DisruptionReleased", message, "controller")])?;
+                ops.extend(append.ops);
+                trim = append.trim;
+            }
+            match self.store.txn(ops).await {
                 Ok(_) => {
-                    if result.is_none() {
-                        self.record_event(name.as_str(), "Normal", "DisruptionReleased", &format!("lease {id}"), "controller").await?;
+                    self.trim_after_append(name.as_str(), trim).await?;
+                    if uncordon {
+                        self.drain_wake.notify_one();
                     }
-                    return Ok(result);
+                    return Ok(renewed);
                 }
-                Err(StoreError::Conflict { .. }) => {
-                    after_conflict(attempt).await;
-                    continue;
-                }
+                Err(StoreError::Conflict { .. }) => after_conflict(attempt).await,
                 Err(e) => return Err(e.into()),
             }
         }
@@ -673,6 +672,40 @@ mod tests {
         Ok(())
     }
 
+    fn reasons(events: &[keelson_api::wire::Event]) -> Vec<&str> {
+        events.iter().map(|e| e.reason.as_str()).collect()
+    }
+
+    #[tokio::test]
+    async fn a_grant_and_a_release_write_their_events_in_their_own_transactions_even_when_the_history_moves() -> R {
+        let dir = tempfile::tempdir()?;
+        let store = fleet(&dir, 2, &["a", "b"]).await?;
+        let registry = registry(&dir, &store)?;
+        let before = store.revision();
+        let a = granted(ask(&registry, "a").await?);
+        assert_eq!(store.revision(), before + 1, "the grant and its event are one write");
+        assert_eq!(registry.update_lease(&name("a"), &a.id, None).await?, None);
+        assert_eq!(store.revision(), before + 2, "the release and its event are one write");
+        assert_eq!(reasons(&registry.events("a").await?), ["DisruptionGranted", "DisruptionReleased"]);
+
+        // b's grant reads b's history, then waits for another grant to finish; meanwhile b's
+        // agent reports an event. The grant commits with its event after the agent's.
+        let other_grant = registry.lease_lock.lock().await;
+        let asking = ask(&registry, "b");
+        tokio::pin!(asking);
+        tokio::select! {
+            _ = &mut asking => panic!("granted while another grant held the lock"),
+            _ = tokio::time::sleep(std::time::Duration::from_millis(100)) => {}
+        }
+        registry.record_event("b", "Normal", "Step", "stopping containerd", "agent").await?;
+        drop(other_grant);
+        let b = granted(asking.await?);
+        let events = registry.events("b").await?;
+        assert_eq!(reasons(&events), ["Step", "DisruptionGranted"]);
+        assert_eq!(events[1].message, format!("lease {} for restart containerd", b.id));
+        Ok(())
+    }
+
     #[tokio::test]
     async fn leases_kept_in_one_key_by_an_earlier_version_count_and_are_split_on_first_use() -> R {
         let dir = tempfile::tempdir()?;
@@ -721,8 +754,8 @@ mod tests {
         }
         let before = store.revision();
         granted(ask(&registry, "a").await?);
-        // Two deletions of 50, the grant with the last 30, and the machine's event.
-        assert_eq!(store.revision(), before + 4);
+        // Two deletions of 50, then the grant with the last 30 and the machine's event.
+        assert_eq!(store.revision(), before + 3);
         assert_eq!(store.list("/leases/web/").await?.entries.iter().map(|e| e.key.as_str()).collect::<Vec<_>>(), ["/leases/web/a"]);
 
         // 130 live leases in the one-key layout are split in parts of 50.
