@@ -265,9 +265,12 @@ impl Registry {
         check_ttl(ttl_secs)?;
         let scope = self.lease_scope(name).await?;
         self.split_legacy_leases(&scope).await?;
-        // The grant writes its event in its own transaction; the machine's history is read
-        // before waiting for the other grants, and again only if it has changed meanwhile.
-        let mut history = Some(self.events_tail(name.as_str()).await?);
+        // A grant writes its event in its own transaction. When the scope has room as its lease
+        // keys stand in memory, the machine's history is read before waiting for the other
+        // grants (and again only if it moves meanwhile). A request that will most likely be
+        // told to wait (agents ask again every few seconds) reads nothing from the store.
+        let room = self.store.list_keys(&scope.prefix()).entries.len() + scope.down.len() < scope.budget;
+        let mut history = if room { Some(self.events_tail(name.as_str()).await?) } else { None };
         // Grants in one scope conflict on its budget key: taking them one at a time in this
         // process spares them a storm of compare-and-swap retries when a wave starts. The
         // compare-and-swap still guards against other replicas.
@@ -582,6 +585,7 @@ impl Registry {
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
 
     use serde_json::json;
 
@@ -589,7 +593,7 @@ mod tests {
     use crate::pki::Authority;
     use crate::registry::MACHINES;
     use crate::store::sqlite::SqliteStore;
-    use crate::store::{Store, StoreExt};
+    use crate::store::{Entry, Listing, Since, Store, StoreExt, Watch};
 
     type R = anyhow::Result<()>;
 
@@ -703,6 +707,63 @@ mod tests {
         let events = registry.events("b").await?;
         assert_eq!(reasons(&events), ["Step", "DisruptionGranted"]);
         assert_eq!(events[1].message, format!("lease {} for restart containerd", b.id));
+        Ok(())
+    }
+
+    /// A store that counts the reads of event histories asked of it.
+    #[derive(Debug)]
+    struct CountingHistoryReads {
+        inner: Arc<dyn Store>,
+        reads: AtomicUsize,
+    }
+
+    #[async_trait::async_trait]
+    impl Store for CountingHistoryReads {
+        async fn get(&self, key: &str) -> Result<Option<Entry>, StoreError> {
+            self.inner.get(key).await
+        }
+        async fn get_many(&self, keys: &[String]) -> Result<Vec<Option<Entry>>, StoreError> {
+            if keys.iter().any(|k| k.starts_with(crate::registry::EVENTS)) {
+                self.reads.fetch_add(1, Ordering::SeqCst);
+            }
+            self.inner.get_many(keys).await
+        }
+        async fn list(&self, prefix: &str) -> Result<Listing, StoreError> {
+            self.inner.list(prefix).await
+        }
+        fn list_keys(&self, prefix: &str) -> Listing {
+            self.inner.list_keys(prefix)
+        }
+        async fn txn(&self, ops: Vec<Op>) -> Result<u64, StoreError> {
+            self.inner.txn(ops).await
+        }
+        async fn watch(&self, prefix: &str, after: u64) -> Result<Watch, StoreError> {
+            self.inner.watch(prefix, after).await
+        }
+        fn revision(&self) -> u64 {
+            self.inner.revision()
+        }
+        fn since(&self, prefix: &str, after: Option<u64>) -> Since {
+            self.inner.since(prefix, after)
+        }
+    }
+
+    #[tokio::test]
+    async fn a_request_told_to_wait_reads_no_history() -> R {
+        let dir = tempfile::tempdir()?;
+        let counting = Arc::new(CountingHistoryReads { inner: fleet(&dir, 1, &["a", "b"]).await?, reads: AtomicUsize::new(0) });
+        let store: Arc<dyn Store> = counting.clone();
+        let registry = registry(&dir, &store)?;
+        let a = granted(ask(&registry, "a").await?);
+        assert_eq!(counting.reads.load(Ordering::SeqCst), 1, "the grant read a's history");
+        for _ in 0..3 {
+            assert!(ask(&registry, "b").await?.is_err(), "b was granted a lease beyond the budget");
+        }
+        assert_eq!(counting.reads.load(Ordering::SeqCst), 1, "b's requests read its history");
+        assert_eq!(registry.update_lease(&name("a"), &a.id, None).await?, None);
+        granted(ask(&registry, "b").await?);
+        assert_eq!(counting.reads.load(Ordering::SeqCst), 3, "the release and b's grant read a history each");
+        assert_eq!(reasons(&registry.events("b").await?), ["DisruptionGranted"]);
         Ok(())
     }
 
