@@ -9,11 +9,12 @@
 //! modification revision, so compare-and-swap across replicas is etcd's, not ours. Writes that
 //! queue while others are in flight leave together as one transaction (`batch_writes`):
 //! urgent ones (the rollout pass's) first, yielding ones (agents' reports) last, after waiting
-//! a little to leave together (`gather`). Reads
-//! and watches are served from the same in-memory `Mirror` the SQLite store uses, fed by one
-//! etcd watch on the prefix; the values it does not hold (event histories) are read from etcd,
-//! and such reads that queue together leave as one transaction (`batch_reads`). A replica's mirror can trail etcd by the watch's delay, so every
-//! write (and every refused one) waits until the mirror holds its revision before it answers:
+//! a little to leave together (`gather`). Reads and watches are served from the same
+//! in-memory `Mirror` the SQLite store uses, fed by one etcd watch on the prefix; the values it
+//! does not hold (event histories) are read from etcd, and such reads that queue together
+//! leave as one transaction (`batch_reads`). A replica's mirror can trail etcd by the watch's
+//! delay, so every write (and every refused one) waits until the mirror holds its revision
+//! before it answers:
 //! a caller that writes and then reads sees its write, and one that lost a compare-and-swap
 //! re-reads at least what beat it.
 
