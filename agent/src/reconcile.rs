@@ -411,10 +411,9 @@ impl Reconciler {
         let mut waiting_reported = false;
         loop {
             match self.controller.acquire_lease(what, ttl).await {
-                Ok(LeaseAnswer::Granted(l)) => {
-                    self.report.event("Normal", "DisruptionGranted", format!("lease {} for {what}", l.id));
-                    return Some(l);
-                }
+                // The controller records the grant (`DisruptionGranted`) in the grant's own
+                // write: one event per lease in the machine's history, not one from each side.
+                Ok(LeaseAnswer::Granted(l)) => return Some(l),
                 Ok(LeaseAnswer::Wait(message)) => {
                     if !waiting_reported {
                         self.report.condition(condition::UPDATING, ConditionStatus::True, "WaitingForDisruptionBudget", &message);
