@@ -722,8 +722,12 @@ async fn read_txn(client: &Client, prefix: &str, keys: &[&String]) -> Result<Vec
     })
     .await
     .map_err(refused)?;
-    response
-        .op_responses()
+    let answers = response.op_responses();
+    // Each caller takes its share of the answers by count (`batch_reads`).
+    if answers.len() != keys.len() {
+        return Err(backend(format!("answered {} reads for {} keys", answers.len(), keys.len())));
+    }
+    answers
         .into_iter()
         .map(|r| match r {
             TxnOpResponse::Get(got) => got.kvs().first().map(|kv| entry(prefix, kv)).transpose(),
