@@ -127,7 +127,7 @@ pub async fn run(opts: ServeOptions, cancel: CancellationToken) -> anyhow::Resul
     }
     let (store, election) = open_store(&opts).await?;
     let (authority, created) = load_authority(&*store, &opts.data_dir).await?;
-    let listener = tokio::net::TcpListener::bind(opts.listen).await.with_context(|| format!("listening on {}", opts.listen))?;
+    let listener = http::server::listen(opts.listen).with_context(|| format!("listening on {}", opts.listen))?;
     let bound = listener.local_addr()?;
     let (server_cert, server_key) = authority.issue_server(&server_names(&bound, &opts.sans))?;
     pki::write_private(&opts.data_dir.join("server.crt"), server_cert.cert_pem.as_bytes())?;

@@ -433,7 +433,7 @@ fn serve_ceiling(data_dir: &Path) -> anyhow::Result<()> {
     let tls = Arc::new(server_tls_config(&authority.cert_pem, &cert.cert_pem, &key)?);
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async move {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let listener = keelson_controller::http::server::listen("127.0.0.1:0".parse()?)?;
         println!("https://{}", listener.local_addr()?);
         let router = axum::Router::new().route(
             "/v1/agent/status",
