@@ -29,9 +29,12 @@ const CHANGE_LOG_LEN: usize = 20_000;
 /// …as long as their keys and values take no more than this (a change keeps the value it
 /// wrote alive after the key has moved on).
 const CHANGE_LOG_BYTES: usize = 32 << 20;
-/// How many live changes a slow watcher may fall behind before it must re-list (the buffer
-/// keeps as many values alive).
+/// How many live changes a slow watcher may fall behind before it must replay them from the
+/// log (the buffer keeps as many values alive).
 const BROADCAST_CAPACITY: usize = 4_096;
+
+/// What a watch replays from the log, and its subscription to the changes after those.
+pub(super) type Replay = (VecDeque<Change>, broadcast::Receiver<Arc<Change>>);
 
 #[derive(Debug, Default)]
 pub(crate) struct Committed {
@@ -176,7 +179,16 @@ impl Mirror {
         self.read().revision
     }
 
-    pub fn watch(&self, prefix: &str, after: u64) -> Result<Watch, StoreError> {
+    /// Every change under `prefix` after revision `after`, then live ones.
+    pub fn watch(self: &Arc<Self>, prefix: &str, after: u64) -> Result<Watch, StoreError> {
+        let (backlog, live) = self.replay(prefix, after, 0)?;
+        Ok(Watch::new(prefix.to_owned(), backlog, live, after, Arc::downgrade(self)))
+    }
+
+    /// The changes under `prefix` after revision `after` that the log holds, less the first
+    /// `skip` of them (delivered already), and a subscription to the changes published after
+    /// them. `Compacted` when the log no longer holds them all.
+    pub(super) fn replay(&self, prefix: &str, after: u64, skip: usize) -> Result<Replay, StoreError> {
         // Subscribe while holding the read lock: publishing takes the write lock, so no
         // change falls between the backlog and the live stream.
         let state = self.read();
@@ -184,9 +196,9 @@ impl Mirror {
         if after < state.log_start {
             return Err(StoreError::Compacted { requested: after, oldest: state.log_start });
         }
-        let backlog =
-            state.log.iter().filter(|c| c.entry.mod_revision > after && c.entry.key.starts_with(prefix)).map(|c| (**c).clone()).collect();
-        Ok(Watch::new(prefix.to_owned(), backlog, live, after))
+        let first = state.log.partition_point(|c| c.entry.mod_revision <= after);
+        let backlog = state.log.range(first..).filter(|c| c.entry.key.starts_with(prefix)).skip(skip).map(|c| (**c).clone()).collect();
+        Ok((backlog, live))
     }
 
     /// Applies committed `changes` (in revision order) and moves the revision to `revision`.
@@ -232,6 +244,8 @@ fn size(change: &Change) -> usize {
 
 #[cfg(test)]
 mod tests {
+    use futures_util::FutureExt;
+
     use super::*;
 
     fn put(key: &str, revision: u64) -> Change {
@@ -244,7 +258,7 @@ mod tests {
     #[tokio::test]
     async fn a_watch_may_start_anywhere_the_log_covers_across_gaps_in_the_revisions() -> Result<(), StoreError> {
         // Loaded at 100; the next change here is at 105 (etcd counted writes elsewhere).
-        let mirror = Mirror::new(BTreeMap::new(), 100);
+        let mirror = Arc::new(Mirror::new(BTreeMap::new(), 100));
         mirror.publish([put("/a", 105)], 105);
         let mut from_load = mirror.watch("/", 100)?;
         let first = from_load.next().await.ok_or(StoreError::Closed)??;
@@ -257,7 +271,7 @@ mod tests {
 
     #[tokio::test]
     async fn dropping_the_oldest_change_moves_where_watches_may_start() -> Result<(), StoreError> {
-        let mirror = Mirror::new(BTreeMap::new(), 0);
+        let mirror = Arc::new(Mirror::new(BTreeMap::new(), 0));
         for r in 1..=(CHANGE_LOG_LEN as u64 + 2) {
             mirror.publish([put(&format!("/k/{r}"), r * 2)], r * 2);
         }
@@ -269,7 +283,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_log_keeps_no_more_than_its_bytes_of_old_values() -> Result<(), StoreError> {
-        let mirror = Mirror::new(BTreeMap::new(), 0);
+        let mirror = Arc::new(Mirror::new(BTreeMap::new(), 0));
         let big: Arc<[u8]> = vec![b'x'; 1 << 20].into();
         for r in 1..=40u64 {
             let entry = Entry { key: "/big".into(), value: big.clone(), create_revision: 1, mod_revision: r };
@@ -290,7 +304,7 @@ mod tests {
     #[tokio::test]
     async fn values_not_held_are_left_out_of_the_entries_and_kept_in_the_log() -> Result<(), StoreError> {
         let loaded = Entry { key: "/events/m1/0".into(), value: Arc::from(&b"old"[..]), create_revision: 1, mod_revision: 1 };
-        let mirror = Mirror::new(BTreeMap::from([(loaded.key.clone(), loaded)]), 1);
+        let mirror = Arc::new(Mirror::new(BTreeMap::from([(loaded.key.clone(), loaded)]), 1));
         let entry = Entry { key: "/events/m1/1".into(), value: Arc::from(&b"new"[..]), create_revision: 2, mod_revision: 2 };
         mirror.publish([Change { deleted: false, entry }, put("/machines/m1", 2)], 2);
         let held = |key: &str| mirror.get(key).map(|e| (e.value.to_vec(), e.mod_revision));
@@ -299,6 +313,103 @@ mod tests {
         assert_eq!(held("/machines/m1"), Some((b"v".to_vec(), 2)));
         let mut watch = mirror.watch("/events/", 1)?;
         assert_eq!(watch.next().await.ok_or(StoreError::Closed)??.entry.value.to_vec(), b"new");
+        Ok(())
+    }
+
+    /// Publishes `n` changes to `/k/…` from `revision` on, one a revision, each after a change
+    /// outside the watched prefix.
+    fn publish_many(mirror: &Mirror, revision: u64, n: u64) {
+        for r in revision..revision + n {
+            mirror.publish([put("/other", r), put(&format!("/k/{r:06}"), r)], r);
+        }
+    }
+
+    async fn next_key(watch: &mut Watch) -> Result<String, StoreError> {
+        Ok(watch.next().await.ok_or(StoreError::Closed)??.entry.key)
+    }
+
+    #[tokio::test]
+    async fn a_watch_that_falls_behind_replays_from_the_log_without_a_gap_or_a_repeat() -> Result<(), StoreError> {
+        let mirror = Arc::new(Mirror::new(BTreeMap::new(), 0));
+        let mut watch = mirror.watch("/k/", 0)?;
+        // One transaction of three changes, of which the watch takes one before it falls behind.
+        mirror.publish([put("/k/a", 1), put("/other", 1), put("/k/b", 1), put("/k/c", 1)], 1);
+        assert_eq!(next_key(&mut watch).await?, "/k/a");
+        let behind = BROADCAST_CAPACITY as u64 + 10;
+        publish_many(&mirror, 2, behind);
+        // Everything is published already, so each change is there to take without waiting.
+        let mut keys = Vec::new();
+        while let Some(next) = watch.next().now_or_never() {
+            keys.push(next.ok_or(StoreError::Closed)??.entry.key);
+        }
+        let expected: Vec<String> =
+            ["/k/b".to_owned(), "/k/c".to_owned()].into_iter().chain((2..2 + behind).map(|r| format!("/k/{r:06}"))).collect();
+        assert!(
+            keys == expected,
+            "{} changes delivered, starting {:?}, ending {:?}; {} expected",
+            keys.len(),
+            &keys[..keys.len().min(3)],
+            keys.last(),
+            expected.len()
+        );
+        // It follows live changes again.
+        mirror.publish([put("/k/z", 5_000_000)], 5_000_000);
+        assert_eq!(next_key(&mut watch).await?, "/k/z");
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn a_watch_that_falls_behind_further_than_the_log_must_list_again() -> Result<(), StoreError> {
+        let mirror = Arc::new(Mirror::new(BTreeMap::new(), 0));
+        let mut watch = mirror.watch("/k/", 0)?;
+        publish_many(&mirror, 1, 1);
+        assert_eq!(next_key(&mut watch).await?, "/k/000001");
+        // Two changes a revision: the log drops revision 1. The watch cannot know it took all
+        // of that revision's changes under its prefix, so it needs the whole revision.
+        publish_many(&mirror, 2, CHANGE_LOG_LEN as u64 / 2);
+        assert!(matches!(watch.next().await, Some(Err(StoreError::Compacted { requested: 0, oldest: 1 }))));
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn a_watch_ends_when_its_store_does_even_behind() -> Result<(), StoreError> {
+        let mirror = Arc::new(Mirror::new(BTreeMap::new(), 0));
+        let mut following = mirror.watch("/k/", 0)?;
+        let mut behind = mirror.watch("/k/", 0)?;
+        publish_many(&mirror, 1, 1);
+        assert_eq!(next_key(&mut following).await?, "/k/000001");
+        // As many changes as `following` can hold (two a revision); `behind` would have to hold
+        // those of revision 1 as well, so it falls behind.
+        publish_many(&mirror, 2, BROADCAST_CAPACITY as u64 / 2);
+        drop(mirror);
+        let mut delivered = 0;
+        while let Some(change) = following.next().await {
+            change?;
+            delivered += 1;
+        }
+        assert_eq!(delivered, BROADCAST_CAPACITY / 2, "the changes still buffered, then the end");
+        assert!(behind.next().await.is_none());
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn a_watch_with_nothing_to_deliver_replays_from_what_it_passed_over() -> Result<(), StoreError> {
+        let mirror = Arc::new(Mirror::new(BTreeMap::new(), 0));
+        let mut idle = mirror.watch("/idle/", 0)?;
+        // More changes elsewhere than the log holds, taken as they come: none is the watch's.
+        let mut revision = 1;
+        while revision <= CHANGE_LOG_LEN as u64 {
+            publish_many(&mirror, revision, BROADCAST_CAPACITY as u64 / 2);
+            revision += BROADCAST_CAPACITY as u64 / 2;
+            // Waited for, not polled once: tokio's budget stops a receive loop after 128.
+            assert!(tokio::time::timeout(Duration::from_millis(20), idle.next()).await.is_err());
+        }
+        assert!(mirror.read().log_start > 0);
+        // Then it falls behind: it replays from the last change it passed over, which the log
+        // still holds, not from where it started.
+        publish_many(&mirror, revision, BROADCAST_CAPACITY as u64);
+        mirror.publish([put("/idle/x", 1_000_000)], 1_000_000);
+        assert_eq!(next_key(&mut idle).await?, "/idle/x");
         Ok(())
     }
 }

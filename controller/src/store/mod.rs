@@ -136,8 +136,9 @@ pub enum StoreError {
 }
 
 /// A watch: the changes after the requested revision, then live ones. `next` returns `None`
-/// when the store shuts down, and `Err(Compacted)` when the watcher fell so far behind that
-/// changes were dropped (the caller lists again and watches from there).
+/// when the store shuts down. A watch that falls behind the live changes replays them from
+/// the store's log of recent changes; `next` returns `Err(Compacted)` only when it fell further
+/// behind than the log reaches (the caller lists again and watches from there).
 #[derive(Debug)]
 pub struct Watch {
     prefix: String,
@@ -145,38 +146,64 @@ pub struct Watch {
     live: broadcast::Receiver<Arc<Change>>,
     /// The revision watched from.
     after: u64,
-    /// The revision of the last change delivered.
-    last_revision: u64,
+    /// Where to replay from after falling behind: the changes under the prefix after this
+    /// revision…
+    replay_after: u64,
+    /// …less the first this many (delivered already: a transaction's changes share one
+    /// revision, and a watch may fall behind between them).
+    replay_skip: usize,
+    /// The revision of the last change seen, delivered or passed over as outside the prefix
+    /// (so that a watch with nothing to deliver keeps up with the log too).
+    seen_revision: u64,
+    /// Where to replay from; gone when the store is.
+    mirror: std::sync::Weak<mirror::Mirror>,
 }
 
 impl Watch {
-    pub(crate) fn new(prefix: String, backlog: Vec<Change>, live: broadcast::Receiver<Arc<Change>>, after: u64) -> Self {
-        Watch { prefix, backlog: backlog.into(), live, after, last_revision: after }
+    fn new(
+        prefix: String,
+        backlog: std::collections::VecDeque<Change>,
+        live: broadcast::Receiver<Arc<Change>>,
+        after: u64,
+        mirror: std::sync::Weak<mirror::Mirror>,
+    ) -> Self {
+        Watch { prefix, backlog, live, after, replay_after: after, replay_skip: 0, seen_revision: after, mirror }
     }
 
     pub async fn next(&mut self) -> Option<Result<Change, StoreError>> {
-        if let Some(change) = self.backlog.pop_front() {
-            self.last_revision = change.entry.mod_revision;
-            return Some(Ok(change));
-        }
         loop {
+            if let Some(change) = self.backlog.pop_front() {
+                return Some(Ok(self.delivered(change)));
+            }
             match self.live.recv().await {
-                Ok(change) => {
-                    // The backlog and the live stream never overlap (the mirror takes both
-                    // under one lock). A transaction's changes share one revision: compare
-                    // with the revision watched from, not with the last change delivered.
-                    if change.entry.mod_revision <= self.after || !change.entry.key.starts_with(&self.prefix) {
-                        continue;
-                    }
-                    self.last_revision = change.entry.mod_revision;
-                    return Some(Ok((*change).clone()));
-                }
+                // The backlog and the live stream never overlap (the mirror takes both under
+                // one lock). A transaction's changes share one revision: compare with the
+                // revision watched from, not with the last change delivered.
+                Ok(change) if change.entry.mod_revision <= self.after => {}
+                Ok(change) if !change.entry.key.starts_with(&self.prefix) => self.saw(change.entry.mod_revision),
+                Ok(change) => return Some(Ok(self.delivered((*change).clone()))),
                 Err(broadcast::error::RecvError::Lagged(_)) => {
-                    return Some(Err(StoreError::Compacted { requested: self.last_revision, oldest: self.last_revision + 1 }));
+                    let mirror = self.mirror.upgrade()?;
+                    match mirror.replay(&self.prefix, self.replay_after, self.replay_skip) {
+                        Ok((backlog, live)) => (self.backlog, self.live) = (backlog, live),
+                        Err(e) => return Some(Err(e)),
+                    }
                 }
                 Err(broadcast::error::RecvError::Closed) => return None,
             }
         }
+    }
+
+    fn saw(&mut self, revision: u64) {
+        if revision != self.seen_revision {
+            (self.seen_revision, self.replay_after, self.replay_skip) = (revision, revision - 1, 0);
+        }
+    }
+
+    fn delivered(&mut self, change: Change) -> Change {
+        self.saw(change.entry.mod_revision);
+        self.replay_skip += 1;
+        change
     }
 }
 
